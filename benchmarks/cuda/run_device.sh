@@ -1,0 +1,46 @@
+#!/bin/bash
+# Build the CUDA backend + its test on the device machine and run: test, sanitizers, bench.
+#   benchmarks/cuda/run_device.sh [test] [san] [bench] [gemm]   (any subset; logs under $OUT)
+set -o pipefail
+cd "$(dirname "$0")/../.."
+OUT=${OUT:-/tmp/out}; mkdir -p $OUT
+INC="-I$PWD/include -I$PWD/cuda"
+SM90DEF=""
+if ls .whl/nvidia_cutlass-*.whl >/dev/null 2>&1; then
+  python3 -m zipfile -e .whl/nvidia_cutlass-*.whl /tmp/cutlass >/dev/null
+  INC="$INC -I/tmp/cutlass/cutlass_library/source/include"; SM90DEF="-DRLK_HAVE_SM90=1"
+fi
+FLAGS="-O3 -std=c++17 --expt-relaxed-constexpr $INC $SM90DEF -lineinfo"
+B=/tmp/rlkbuild; mkdir -p $B
+objs=""
+for f in cuda/*.cu; do
+  case $f in *_test.cu) continue;; esac
+  o=$B/$(basename $f .cu).o; objs="$objs $o"
+  case $f in
+    *_sm90.cu) nvcc $FLAGS -gencode=arch=compute_90a,code=sm_90a -c $f -o $o & ;;
+    *) nvcc $FLAGS -gencode=arch=compute_80,code=sm_80 -gencode=arch=compute_90,code=sm_90 -c $f -o $o & ;;
+  esac
+done
+nvcc $FLAGS -gencode=arch=compute_90,code=sm_90 -c cuda/linear_logp_cuda_test.cu -o $B/test.o &
+wait
+nvcc -o $B/lptest $B/test.o $objs -lcudart 2>&1 | tee $OUT/build.log || { echo BUILD FAILED; exit 1; }
+echo "built $(date)"
+for step in "$@"; do
+  case $step in
+    test) $B/lptest 2>&1 | tee $OUT/test.log ;;
+    quick) $B/lptest --quick 2>&1 | tee $OUT/test.log ;;
+    san) compute-sanitizer --tool memcheck --print-limit 5 $B/lptest --quick 2>&1 | tail -n 25 | tee $OUT/memcheck.log
+         compute-sanitizer --tool racecheck --print-limit 5 $B/lptest --quick 2>&1 | tail -n 25 | tee $OUT/racecheck.log ;;
+    bench) $B/lptest --bench 2>&1 | tee $OUT/bench.log ;;
+    bench1) $B/lptest --bench --only T3 2>&1 | tee $OUT/bench.log ;;
+    gemm) python3 - <<'PY' 2>&1 | tee $OUT/gemm.log
+import torch, triton
+for name,n,h,v in [("T1",796,2048,75968),("T2",1820,2048,75968),("T3",6827,2048,75968),("T3-tp1",6827,2048,151936),("H200-pub",4096,4096,128256),("L16k",16384,4096,151936)]:
+    a=torch.randn(n,h,device='cuda',dtype=torch.bfloat16); w=torch.randn(v,h,device='cuda',dtype=torch.bfloat16)
+    t=triton.testing.do_bench(lambda: a@w.t(), return_mode='median')
+    print(f"GEMM {name:9s} {t:8.3f} ms  {2*n*h*v/t*1e-9:5.0f} TFLOP/s", flush=True)
+    del a,w; torch.cuda.empty_cache()
+PY
+    ;;
+  esac
+done

@@ -1,0 +1,31 @@
+// The CUDA backend of the plain API (include/rlk/linear_logp.h).
+//
+// Every call is asynchronous on `stream`, allocates nothing (scratch comes from the caller, sized
+// by the *_workspace_bytes functions, which depend on the Problem's shapes only), performs no host
+// synchronisation and picks its launch configuration from shapes only: the calls are safe inside
+// CUDA graphs (XLA command buffers, torch.cuda.CUDAGraph).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "rlk/linear_logp.h"
+
+namespace rlk::cuda {
+
+struct Workspace {
+  void* ptr = nullptr;
+  size_t bytes = 0;
+};
+
+// Which forward kernel `forward` will run for this problem on the current device.
+Backend forward_backend(const Problem& p);
+
+size_t forward_workspace_bytes(const Problem& p);
+size_t backward_workspace_bytes(const Problem& p);
+
+// `ran` (may be null) receives the backend that ran.
+Status forward(const Problem& p, const FwdArgs& a, Workspace ws, cudaStream_t stream, Backend* ran);
+Status combine(const CombineArgs& a, cudaStream_t stream);
+Status backward(const Problem& p, const BwdArgs& a, Workspace ws, cudaStream_t stream, Backend* ran);
+
+}  // namespace rlk::cuda

@@ -1,0 +1,45 @@
+// Internal declarations shared by the CUDA backend's translation units (not part of the API).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "rlk/linear_logp.h"
+
+namespace rlk::cuda::detail {
+
+// ---- forward split geometry -------------------------------------------------------------------
+// A canonical chunk is cut into "splits" of kSplitCols consecutive columns counted from the
+// chunk's first column (the last split of a chunk may be shorter). One CTA owns one (row tile,
+// split) and walks the split's column tiles in order, so a split's statistics depend on the
+// chunk's content only, never on where the chunk sits in the local vocab (TP invariance) nor on
+// other rows (batch invariance). The per-(row, split) partials are merged per chunk, in split
+// order, by the finalize kernel. Both forward kernels (portable and sm90) use this geometry.
+constexpr int64_t kSplitCols = 1024;
+
+inline int64_t splits_per_chunk(int64_t chunk) { return (chunk + kSplitCols - 1) / kSplitCols; }
+inline int64_t total_splits(const Problem& p) { return num_chunks(p) * splits_per_chunk(p.chunk); }
+
+// Rows per forward launch: bounds the partial-statistics workspace (rows * splits * 3 floats).
+// Depends on shapes only; rows are independent, so the cut is invisible in the results.
+inline int64_t fwd_rows_per_pass(const Problem& p) {
+  const int64_t per_row = total_splits(p) * kStatWidth * (int64_t)sizeof(float);
+  int64_t r = (int64_t(192) << 20) / (per_row > 0 ? per_row : 1);
+  r = (r / 128) * 128;
+  if (r < 128) r = 128;
+  const int64_t n128 = ((p.n + 127) / 128) * 128;
+  return r < n128 ? r : (n128 > 0 ? n128 : 128);
+}
+
+#if RLK_HAVE_SM90
+// The Hopper forward: fills part[rows, total_splits, 3] for rows [0, rows) of the given hidden
+// pointer (already offset to the pass's first row). Returns nullptr or a static error.
+const char* sm90_forward_partials(const Problem& p, const void* hidden, int64_t rows,
+                                  const void* weight, const void* bias, const float* inv_temp,
+                                  float* part, cudaStream_t stream);
+constexpr int64_t kSm90HMultiple = 64;  // h must be a multiple of this (one K tile)
+#endif
+
+}  // namespace rlk::cuda::detail
