@@ -6,7 +6,7 @@ cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/out}; mkdir -p $OUT
 INC="-I$PWD/include -I$PWD/cuda"
 SM90DEF=""
-if ls .whl/nvidia_cutlass-*.whl >/dev/null 2>&1; then
+if ls .whl/nvidia_cutlass-*.whl >/dev/null 2>&1 && ls cuda/*_sm90.cu >/dev/null 2>&1; then
   python3 -m zipfile -e .whl/nvidia_cutlass-*.whl /tmp/cutlass >/dev/null
   INC="$INC -I/tmp/cutlass/cutlass_library/source/include"; SM90DEF="-DRLK_HAVE_SM90=1"
 fi
