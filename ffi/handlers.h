@@ -1,0 +1,228 @@
+// The XLA FFI handler bodies, shared by the "cpu" and "CUDA" platforms. A platform supplies an
+// executor with forward / combine / backward over the plain API; everything else — reading
+// buffers, checking shapes, building the Problem, and vmap's leading batch dimensions
+// (vmap_method="expand_dims": an operand that is not batched has size-1 leading dimensions) — is
+// here once.
+#pragma once
+
+#include <cstdint>
+#include <initializer_list>
+#include <string>
+#include <vector>
+
+#include "rlk/linear_logp.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace rlk::ffi_handlers {
+
+namespace ffi = xla::ffi;
+
+inline bool to_dtype(ffi::DataType t, DType* out) {
+  switch (t) {
+    case ffi::DataType::F32: *out = DType::kF32; return true;
+    case ffi::DataType::F16: *out = DType::kF16; return true;
+    case ffi::DataType::BF16: *out = DType::kBF16; return true;
+    default: return false;
+  }
+}
+
+// An operand seen as [leading..., core...] with `core_rank` trailing dimensions.
+struct View {
+  std::vector<int64_t> lead, core;
+  char* data;
+  size_t elem_bytes;
+  int64_t core_elems() const {
+    int64_t e = 1;
+    for (int64_t d : core) e *= d;
+    return e;
+  }
+};
+
+template <class Buf>
+View view(const Buf& b, int core_rank) {
+  auto dims = b.dimensions();
+  View v;
+  const int rank = int(dims.size());
+  for (int i = 0; i < rank; ++i) (i < rank - core_rank ? v.lead : v.core).push_back(dims[i]);
+  while (int(v.core.size()) < core_rank) v.core.insert(v.core.begin(), 1);
+  v.data = static_cast<char*>(b.untyped_data());
+  v.elem_bytes = ffi::ByteWidth(b.element_type());
+  return v;
+}
+
+// Batch iteration over the leading dimensions of the outputs; inputs broadcast where theirs are 1.
+struct Batch {
+  std::vector<int64_t> lead;
+  int64_t count = 1;
+
+  explicit Batch(const std::vector<int64_t>& out_lead) : lead(out_lead) {
+    for (int64_t d : lead) count *= d;
+  }
+  bool fits(const View& v) const {
+    if (v.lead.size() != lead.size()) return false;
+    for (size_t i = 0; i < lead.size(); ++i)
+      if (v.lead[i] != 1 && v.lead[i] != lead[i]) return false;
+    return true;
+  }
+  bool full(const View& v) const { return v.lead == lead; }
+  bool single(const View& v) const {
+    for (int64_t d : v.lead)
+      if (d != 1) return false;
+    return true;
+  }
+  // Pointer to batch item b of v.
+  template <class T = void>
+  T* at(const View& v, int64_t b) const {
+    int64_t off = 0, stride = v.core_elems();
+    for (int i = int(lead.size()) - 1; i >= 0; --i) {
+      const int64_t idx = b % lead[i];
+      b /= lead[i];
+      if (v.lead[i] != 1) off += idx * stride;
+      stride *= v.lead[i];
+    }
+    return reinterpret_cast<T*>(v.data + off * int64_t(v.elem_bytes));
+  }
+};
+
+inline ffi::Error invalid(const std::string& what) {
+  return ffi::Error(ffi::ErrorCode::kInvalidArgument, "rlk: " + what);
+}
+inline ffi::Error from_status(Status s) {
+  return s ? ffi::Error(ffi::ErrorCode::kInternal, s) : ffi::Error::Success();
+}
+
+// The attributes of forward and backward, in binding order.
+#define RLK_PROBLEM_ATTRS                                                                        \
+  .Attr<int64_t>("vocab_start").Attr<int64_t>("real_vocab").Attr<int64_t>("chunk")               \
+      .Attr<int64_t>("ignore_index").Attr<int64_t>("has_bias").Attr<int64_t>("with_entropy")
+
+struct Attrs {
+  int64_t vocab_start, real_vocab, chunk, ignore_index, has_bias, with_entropy;
+};
+
+// Operands of forward and backward that describe the problem.
+struct Inputs {
+  View hidden, weight, bias, targets, inv_temp;
+};
+
+inline ffi::Error make_problem(const Inputs& in, ffi::DataType ht, ffi::DataType wt, ffi::DataType bt,
+                               const Attrs& at, Problem* p) {
+  if (ht != wt) return invalid("hidden and weight dtypes differ");
+  if (!to_dtype(ht, &p->dtype)) return invalid("dtype must be float32, float16 or bfloat16");
+  p->n = in.hidden.core[0];
+  p->h = in.hidden.core[1];
+  p->v = in.weight.core[0];
+  if (in.weight.core[1] != p->h) return invalid("hidden and weight disagree on the hidden size");
+  if (in.targets.core[0] != p->n || in.inv_temp.core[0] != p->n) return invalid("row counts disagree");
+  p->has_bias = at.has_bias != 0;
+  if (p->has_bias && (bt != ht || in.bias.core[0] != p->v)) return invalid("bias must be [v] in the weight dtype");
+  p->vocab_start = at.vocab_start;
+  p->real_vocab = at.real_vocab;
+  p->chunk = at.chunk;
+  p->ignore_index = at.ignore_index;
+  p->with_entropy = at.with_entropy != 0;
+  if (p->chunk <= 0 || p->v % p->chunk != 0) return invalid("chunk must divide the local vocab");
+  return ffi::Error::Success();
+}
+
+// forward: (hidden, weight, bias, targets, inv_temp) -> (stats, target_logit)
+template <class Exec>
+ffi::Error forward(Exec& ex, ffi::AnyBuffer hidden, ffi::AnyBuffer weight, ffi::AnyBuffer bias,
+                   ffi::AnyBuffer targets, ffi::AnyBuffer inv_temp, ffi::Result<ffi::AnyBuffer> stats,
+                   ffi::Result<ffi::AnyBuffer> target_logit, const Attrs& at) {
+  Inputs in{view(hidden, 2), view(weight, 2), view(bias, 1), view(targets, 1), view(inv_temp, 1)};
+  Problem p;
+  if (auto e = make_problem(in, hidden.element_type(), weight.element_type(), bias.element_type(), at, &p);
+      e.failure())
+    return e;
+  const View st = view(*stats, 3), tl = view(*target_logit, 1);
+  const Batch batch(st.lead);
+  for (const View* v : std::initializer_list<const View*>{&in.hidden, &in.weight, &in.bias, &in.targets, &in.inv_temp})
+    if (!batch.fits(*v)) return invalid("unsupported batching of the operands");
+  // Rows are independent: with one shared weight and every row operand batched alike, the batch
+  // folds into the rows (the same bits as a loop, since results are batch invariant).
+  const bool fold = batch.single(in.weight) && batch.single(in.bias) && batch.full(in.hidden) &&
+                    batch.full(in.targets) && batch.full(in.inv_temp);
+  const int64_t items = fold ? 1 : batch.count;
+  if (fold) p.n *= batch.count;
+  for (int64_t b = 0; b < items; ++b) {
+    FwdArgs a;
+    a.hidden = batch.at(in.hidden, b);
+    a.weight = batch.at(in.weight, b);
+    a.bias = p.has_bias ? batch.at(in.bias, b) : nullptr;
+    a.targets = batch.at<const int32_t>(in.targets, b);
+    a.inv_temp = batch.at<const float>(in.inv_temp, b);
+    a.stats = batch.at<float>(st, b);
+    a.target_logit = batch.at<float>(tl, b);
+    if (auto e = from_status(ex.forward(p, a)); e.failure()) return e;
+  }
+  return ffi::Error::Success();
+}
+
+// combine: (stats, target_logit, targets) -> (logp, lse, entropy)
+template <class Exec>
+ffi::Error combine(Exec& ex, ffi::AnyBuffer stats, ffi::AnyBuffer target_logit, ffi::AnyBuffer targets,
+                   ffi::Result<ffi::AnyBuffer> logp, ffi::Result<ffi::AnyBuffer> lse,
+                   ffi::Result<ffi::AnyBuffer> entropy, int64_t real_vocab, int64_t ignore_index) {
+  const View st = view(stats, 3), tl = view(target_logit, 1), tg = view(targets, 1);
+  const View lp = view(*logp, 1), ls = view(*lse, 1), en = view(*entropy, 1);
+  const Batch batch(lp.lead);
+  for (const View* v : std::initializer_list<const View*>{&st, &tl, &tg})
+    if (!batch.fits(*v)) return invalid("unsupported batching of the operands");
+  const bool fold = batch.full(st) && batch.full(tl) && batch.full(tg);
+  CombineArgs a;
+  a.n = st.core[0] * (fold ? batch.count : 1);
+  a.k = st.core[1];
+  a.real_vocab = real_vocab;
+  a.ignore_index = ignore_index;
+  for (int64_t b = 0; b < (fold ? 1 : batch.count); ++b) {
+    a.stats = batch.at<const float>(st, b);
+    a.target_logit = batch.at<const float>(tl, b);
+    a.targets = batch.at<const int32_t>(tg, b);
+    a.logp = batch.at<float>(lp, b);
+    a.lse = batch.at<float>(ls, b);
+    a.entropy = batch.at<float>(en, b);
+    if (auto e = from_status(ex.combine(a)); e.failure()) return e;
+  }
+  return ffi::Error::Success();
+}
+
+// backward: (hidden, weight, bias, targets, inv_temp, lse, entropy, g, e)
+//        -> (dhidden f32, dweight, dbias f32, dzz f32)
+template <class Exec>
+ffi::Error backward(Exec& ex, ffi::AnyBuffer hidden, ffi::AnyBuffer weight, ffi::AnyBuffer bias,
+                    ffi::AnyBuffer targets, ffi::AnyBuffer inv_temp, ffi::AnyBuffer lse, ffi::AnyBuffer entropy,
+                    ffi::AnyBuffer g, ffi::AnyBuffer e, ffi::Result<ffi::AnyBuffer> dhidden,
+                    ffi::Result<ffi::AnyBuffer> dweight, ffi::Result<ffi::AnyBuffer> dbias,
+                    ffi::Result<ffi::AnyBuffer> dzz, const Attrs& at) {
+  Inputs in{view(hidden, 2), view(weight, 2), view(bias, 1), view(targets, 1), view(inv_temp, 1)};
+  Problem p;
+  if (auto err = make_problem(in, hidden.element_type(), weight.element_type(), bias.element_type(), at, &p);
+      err.failure())
+    return err;
+  const View vl = view(lse, 1), ve = view(entropy, 1), vg = view(g, 1), vee = view(e, 1);
+  const View dh = view(*dhidden, 2), dw = view(*dweight, 2), db = view(*dbias, 1), dz = view(*dzz, 1);
+  const Batch batch(dh.lead);
+  for (const View* v : std::initializer_list<const View*>{&in.hidden, &in.weight, &in.bias, &in.targets, &in.inv_temp, &vl, &ve, &vg, &vee})
+    if (!batch.fits(*v)) return invalid("unsupported batching of the operands");
+  for (int64_t b = 0; b < batch.count; ++b) {
+    BwdArgs a;
+    a.hidden = batch.at(in.hidden, b);
+    a.weight = batch.at(in.weight, b);
+    a.bias = p.has_bias ? batch.at(in.bias, b) : nullptr;
+    a.targets = batch.at<const int32_t>(in.targets, b);
+    a.inv_temp = batch.at<const float>(in.inv_temp, b);
+    a.lse = batch.at<const float>(vl, b);
+    a.entropy = p.with_entropy ? batch.at<const float>(ve, b) : nullptr;
+    a.g = batch.at<const float>(vg, b);
+    a.e = p.with_entropy ? batch.at<const float>(vee, b) : nullptr;
+    a.dhidden = batch.at<float>(dh, b);
+    a.dweight = batch.at(dw, b);
+    a.dbias = p.has_bias ? batch.at<float>(db, b) : nullptr;
+    a.dzz = batch.at<float>(dz, b);
+    if (auto err = from_status(ex.backward(p, a)); err.failure()) return err;
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace rlk::ffi_handlers

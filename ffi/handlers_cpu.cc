@@ -1,0 +1,69 @@
+// XLA FFI handlers for platform "cpu" over rlk::cpu.
+#include "handlers.h"
+
+namespace rlk::ffi_handlers {
+namespace {
+
+struct CpuExec {
+  Status forward(const Problem& p, const FwdArgs& a) {
+    count_call(Backend::kCpu, false, p.n);
+    return cpu::forward(p, a);
+  }
+  Status combine(const CombineArgs& a) { return cpu::combine(a); }
+  Status backward(const Problem& p, const BwdArgs& a) {
+    count_call(Backend::kCpu, true, p.n);
+    return cpu::backward(p, a);
+  }
+};
+
+ffi::Error ForwardCpu(ffi::AnyBuffer hidden, ffi::AnyBuffer weight, ffi::AnyBuffer bias, ffi::AnyBuffer targets,
+                      ffi::AnyBuffer inv_temp, ffi::Result<ffi::AnyBuffer> stats,
+                      ffi::Result<ffi::AnyBuffer> target_logit, int64_t vocab_start, int64_t real_vocab,
+                      int64_t chunk, int64_t ignore_index, int64_t has_bias, int64_t with_entropy) {
+  CpuExec ex;
+  return forward(ex, hidden, weight, bias, targets, inv_temp, stats, target_logit,
+                 {vocab_start, real_vocab, chunk, ignore_index, has_bias, with_entropy});
+}
+
+ffi::Error CombineCpu(ffi::AnyBuffer stats, ffi::AnyBuffer target_logit, ffi::AnyBuffer targets,
+                      ffi::Result<ffi::AnyBuffer> logp, ffi::Result<ffi::AnyBuffer> lse,
+                      ffi::Result<ffi::AnyBuffer> entropy, int64_t real_vocab, int64_t ignore_index) {
+  CpuExec ex;
+  return combine(ex, stats, target_logit, targets, logp, lse, entropy, real_vocab, ignore_index);
+}
+
+ffi::Error BackwardCpu(ffi::AnyBuffer hidden, ffi::AnyBuffer weight, ffi::AnyBuffer bias, ffi::AnyBuffer targets,
+                       ffi::AnyBuffer inv_temp, ffi::AnyBuffer lse, ffi::AnyBuffer entropy, ffi::AnyBuffer g,
+                       ffi::AnyBuffer e, ffi::Result<ffi::AnyBuffer> dhidden, ffi::Result<ffi::AnyBuffer> dweight,
+                       ffi::Result<ffi::AnyBuffer> dbias, ffi::Result<ffi::AnyBuffer> dzz, int64_t vocab_start,
+                       int64_t real_vocab, int64_t chunk, int64_t ignore_index, int64_t has_bias,
+                       int64_t with_entropy) {
+  CpuExec ex;
+  return backward(ex, hidden, weight, bias, targets, inv_temp, lse, entropy, g, e, dhidden, dweight, dbias, dzz,
+                  {vocab_start, real_vocab, chunk, ignore_index, has_bias, with_entropy});
+}
+
+}  // namespace
+}  // namespace rlk::ffi_handlers
+
+namespace ffi = xla::ffi;
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RlkForwardCpu, rlk::ffi_handlers::ForwardCpu,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>() RLK_PROBLEM_ATTRS);
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RlkCombineCpu, rlk::ffi_handlers::CombineCpu,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>()
+                                  .Attr<int64_t>("real_vocab").Attr<int64_t>("ignore_index"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RlkBackwardCpu, rlk::ffi_handlers::BackwardCpu,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>() RLK_PROBLEM_ATTRS);

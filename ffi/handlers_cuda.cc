@@ -1,0 +1,93 @@
+// XLA FFI handlers for platform "CUDA" over rlk::cuda. Command-buffer compatible: the kernels
+// allocate nothing (scratch is the trailing `workspace` result, sized by the frontend from
+// rlk::cuda::*_workspace_bytes), never synchronise the host and choose launches from shapes.
+#include "handlers.h"
+#include "linear_logp_cuda.h"
+
+namespace rlk::ffi_handlers {
+namespace {
+
+struct CudaExec {
+  cudaStream_t stream;
+  cuda::Workspace ws;
+
+  Status forward(const Problem& p, const FwdArgs& a) {
+    if (cuda::forward_workspace_bytes(p) > ws.bytes) return "rlk cuda forward: workspace too small";
+    Backend ran = Backend::kCudaPortable;
+    Status s = cuda::forward(p, a, ws, stream, &ran);
+    if (!s) count_call(ran, false, p.n);
+    return s;
+  }
+  Status combine(const CombineArgs& a) { return cuda::combine(a, stream); }
+  Status backward(const Problem& p, const BwdArgs& a) {
+    if (cuda::backward_workspace_bytes(p) > ws.bytes) return "rlk cuda backward: workspace too small";
+    Backend ran = Backend::kCudaPortable;
+    Status s = cuda::backward(p, a, ws, stream, &ran);
+    if (!s) count_call(ran, true, p.n);
+    return s;
+  }
+};
+
+cuda::Workspace workspace_of(ffi::Result<ffi::AnyBuffer>& w) { return {w->untyped_data(), w->size_bytes()}; }
+
+ffi::Error ForwardCuda(cudaStream_t stream, ffi::AnyBuffer hidden, ffi::AnyBuffer weight, ffi::AnyBuffer bias,
+                       ffi::AnyBuffer targets, ffi::AnyBuffer inv_temp, ffi::Result<ffi::AnyBuffer> stats,
+                       ffi::Result<ffi::AnyBuffer> target_logit, ffi::Result<ffi::AnyBuffer> workspace,
+                       int64_t vocab_start, int64_t real_vocab, int64_t chunk, int64_t ignore_index,
+                       int64_t has_bias, int64_t with_entropy) {
+  CudaExec ex{stream, workspace_of(workspace)};
+  return forward(ex, hidden, weight, bias, targets, inv_temp, stats, target_logit,
+                 {vocab_start, real_vocab, chunk, ignore_index, has_bias, with_entropy});
+}
+
+ffi::Error CombineCuda(cudaStream_t stream, ffi::AnyBuffer stats, ffi::AnyBuffer target_logit,
+                       ffi::AnyBuffer targets, ffi::Result<ffi::AnyBuffer> logp, ffi::Result<ffi::AnyBuffer> lse,
+                       ffi::Result<ffi::AnyBuffer> entropy, int64_t real_vocab, int64_t ignore_index) {
+  CudaExec ex{stream, {}};
+  return combine(ex, stats, target_logit, targets, logp, lse, entropy, real_vocab, ignore_index);
+}
+
+ffi::Error BackwardCuda(cudaStream_t stream, ffi::AnyBuffer hidden, ffi::AnyBuffer weight, ffi::AnyBuffer bias,
+                        ffi::AnyBuffer targets, ffi::AnyBuffer inv_temp, ffi::AnyBuffer lse, ffi::AnyBuffer entropy,
+                        ffi::AnyBuffer g, ffi::AnyBuffer e, ffi::Result<ffi::AnyBuffer> dhidden,
+                        ffi::Result<ffi::AnyBuffer> dweight, ffi::Result<ffi::AnyBuffer> dbias,
+                        ffi::Result<ffi::AnyBuffer> dzz, ffi::Result<ffi::AnyBuffer> workspace, int64_t vocab_start,
+                        int64_t real_vocab, int64_t chunk, int64_t ignore_index, int64_t has_bias,
+                        int64_t with_entropy) {
+  CudaExec ex{stream, workspace_of(workspace)};
+  return backward(ex, hidden, weight, bias, targets, inv_temp, lse, entropy, g, e, dhidden, dweight, dbias, dzz,
+                  {vocab_start, real_vocab, chunk, ignore_index, has_bias, with_entropy});
+}
+
+}  // namespace
+}  // namespace rlk::ffi_handlers
+
+namespace ffi = xla::ffi;
+using Stream = ffi::PlatformStream<cudaStream_t>;
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RlkForwardCuda, rlk::ffi_handlers::ForwardCuda,
+                              ffi::Ffi::Bind()
+                                  .Ctx<Stream>()
+                                  .Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>()
+                                  RLK_PROBLEM_ATTRS,
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RlkCombineCuda, rlk::ffi_handlers::CombineCuda,
+                              ffi::Ffi::Bind()
+                                  .Ctx<Stream>()
+                                  .Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>()
+                                  .Attr<int64_t>("real_vocab").Attr<int64_t>("ignore_index"),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RlkBackwardCuda, rlk::ffi_handlers::BackwardCuda,
+                              ffi::Ffi::Bind()
+                                  .Ctx<Stream>()
+                                  .Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>() RLK_PROBLEM_ATTRS,
+                              {ffi::Traits::kCmdBufferCompatible});

@@ -1,0 +1,202 @@
+// rlk: the plain C++ API of the linear_logp operator family.
+//
+// No framework types here: pointers, shapes and a stream. The CPU backend (cpu/) and the CUDA
+// backend (cuda/) implement it; the XLA FFI handlers and the DLPack entry points (ffi/) call it.
+//
+// Math (all in fp32; operands in their own dtype, fp32 accumulation), per row i:
+//   z_j    = (h_i . W_j + b_j) * inv_temp_i        global id j >= real_vocab -> -inf (padding)
+//   lse_i  = log sum_j exp(z_j)
+//   logp_i = z_{t_i} - lse_i ;  ent_i = lse_i - sum_j p_j z_j
+//   dz_j   = g_i (delta_{j t_i} - p_j) + e_i p_j (lse_i - ent_i - z_j)
+//   dlogit_j = dz_j * inv_temp_i ; dH = dlogit W ; dW = dlogit^T H ; db = sum_i dlogit
+//
+// Canonical chunks (the consistency contract): the global padded vocab is cut into chunks of a
+// width that depends on the global vocab size only (canonical_chunk). The forward emits per-(row,
+// chunk) statistics; a chunk's statistics are computed in an order fixed relative to the chunk's
+// first column, so they do not depend on the tensor-parallel degree, on N, or on a row's position.
+// combine_row merges chunk statistics in chunk order. TP = 1, 2, 4, 8 therefore give the same bits.
+#pragma once
+
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+
+#if defined(__CUDACC__)
+#define RLK_HD __host__ __device__ __forceinline__
+#else
+#define RLK_HD inline
+#endif
+
+namespace rlk {
+
+enum class DType : int32_t { kF32 = 0, kF16 = 1, kBF16 = 2 };
+
+inline size_t dtype_bytes(DType t) { return t == DType::kF32 ? 4 : 2; }
+
+// One call: n rows of hidden [n, h] against this shard's v vocab rows of weight [v, h].
+struct Problem {
+  int64_t n = 0;             // rows (tokens)
+  int64_t h = 0;             // hidden size
+  int64_t v = 0;             // local vocab rows of weight
+  int64_t vocab_start = 0;   // global id of local vocab row 0
+  int64_t real_vocab = 0;    // global ids >= real_vocab are padding (logit -inf)
+  int64_t chunk = 0;         // canonical chunk width in columns; v % chunk == 0
+  int64_t ignore_index = -100;
+  DType dtype = DType::kBF16;
+  bool has_bias = false;
+  bool with_entropy = false;  // forward: fill the entropy statistic; backward: e is given
+};
+
+inline int64_t num_chunks(const Problem& p) { return p.v / p.chunk; }
+
+// Statistics per (row, chunk), kStatWidth fp32 values, in this order:
+//   m = max_j z_j ;  s = sum_j exp(z_j - m) ;  a = sum_j exp(z_j - m) (z_j - m)
+// A chunk made only of padding has m = -inf, s = 0, a = 0.
+constexpr int kStatWidth = 3;
+
+// Largest TP degree whose shards own whole chunks; chunks per global vocab is the largest power
+// of two dividing it, capped here. Shards of TP degrees above this still work, without the
+// bitwise TP-invariance promise.
+constexpr int64_t kMaxInvariantTp = 8;
+
+inline int64_t canonical_chunk(int64_t vocab_global) {
+  int64_t parts = 1;
+  while (parts < kMaxInvariantTp && vocab_global % (parts * 2) == 0) parts *= 2;
+  return vocab_global > 0 ? vocab_global / parts : 1;
+}
+
+// Target validity, shared by every backend: ignored rows give 0, out-of-range ids give NaN.
+enum class TargetKind : int32_t { kValid = 0, kIgnored = 1, kInvalid = 2 };
+
+RLK_HD TargetKind classify_target(int64_t t, int64_t real_vocab, int64_t ignore_index) {
+  if (t == ignore_index) return TargetKind::kIgnored;
+  if (t < 0 || t >= real_vocab) return TargetKind::kInvalid;
+  return TargetKind::kValid;
+}
+
+// Fold one logit z into running statistics (m, s, a) of the definition above.
+RLK_HD void stats_push(float z, float& m, float& s, float& a) {
+  if (z > m) {
+    const float d = m - z;  // <= 0; m = -inf gives alpha = 0 and s = a = 0 already
+    const float alpha = expf(d);
+    a = (s > 0.f) ? alpha * (a + d * s) : 0.f;
+    s = (s > 0.f) ? alpha * s : 0.f;
+    m = z;
+  }
+  const float t = z - m;
+  const float e = expf(t);
+  s += e;
+  a += e * t;
+}
+
+// Merge statistics (m2, s2, a2) into (m, s, a); used in a fixed order only.
+RLK_HD void stats_merge(float m2, float s2, float a2, float& m, float& s, float& a) {
+  if (!(s2 > 0.f)) return;
+  if (!(s > 0.f)) { m = m2; s = s2; a = a2; return; }
+  if (m2 > m) {
+    const float d = m - m2, alpha = expf(d);
+    a = alpha * (a + d * s) + a2;
+    s = alpha * s + s2;
+    m = m2;
+  } else {
+    const float d = m2 - m, alpha = expf(d);
+    a = a + alpha * (a2 + d * s2);
+    s = s + alpha * s2;
+  }
+}
+
+struct RowResult { float logp, lse, entropy; };
+
+// Combine k chunk statistics of one row (stats: k * kStatWidth floats, chunk order) and the
+// target logit into logp, lse and entropy. Every backend and every TP degree calls this.
+RLK_HD RowResult combine_row(const float* stats, int64_t k, float target_logit, int64_t target,
+                             int64_t real_vocab, int64_t ignore_index) {
+  float m = -INFINITY, s = 0.f, a = 0.f;
+  for (int64_t c = 0; c < k; ++c)
+    stats_merge(stats[c * kStatWidth], stats[c * kStatWidth + 1], stats[c * kStatWidth + 2], m, s, a);
+  const float log_s = logf(s);
+  RowResult r;
+  r.lse = m + log_s;
+  r.entropy = log_s - a / s;  // = lse - sum p z, without adding and removing m
+  switch (classify_target(target, real_vocab, ignore_index)) {
+    case TargetKind::kIgnored: r.logp = 0.f; r.entropy = 0.f; break;
+    case TargetKind::kInvalid: r.logp = NAN; r.entropy = NAN; break;
+    default: r.logp = fminf(target_logit - r.lse, 0.f); break;
+  }
+  return r;
+}
+
+// dz for one logit z of row i (not padding), given the row's lse, entropy and upstream grads.
+RLK_HD float dz_of(float z, bool is_target, float lse, float ent, float g, float e) {
+  const float p = expf(z - lse);
+  return g * ((is_target ? 1.f : 0.f) - p) + e * p * (lse - ent - z);
+}
+
+// ---- the calls -------------------------------------------------------------------------------
+
+// Forward partial statistics.
+//   in : hidden [n, h], weight [v, h], bias [v] (dtype; null when !has_bias), targets [n] int32,
+//        inv_temp [n] f32
+//   out: stats [n, num_chunks, kStatWidth] f32; target_logit [n] f32 = z_t when the target is a
+//        real id of this shard, else 0 (so a sum over shards is exact).
+struct FwdArgs {
+  const void* hidden = nullptr;
+  const void* weight = nullptr;
+  const void* bias = nullptr;
+  const int32_t* targets = nullptr;
+  const float* inv_temp = nullptr;
+  float* stats = nullptr;
+  float* target_logit = nullptr;
+};
+
+// Combine: all chunks of the global vocab (k of them) -> logp, lse, entropy [n] f32.
+struct CombineArgs {
+  int64_t n = 0, k = 0, real_vocab = 0, ignore_index = -100;
+  const float* stats = nullptr;         // [n, k, kStatWidth]
+  const float* target_logit = nullptr;  // [n]
+  const int32_t* targets = nullptr;     // [n]
+  float* logp = nullptr;
+  float* lse = nullptr;
+  float* entropy = nullptr;
+};
+
+// Backward. Rows whose target is ignored or invalid get no gradient.
+//   in : as forward, plus lse [n], entropy [n] (null when !with_entropy), g = dL/dlogp [n],
+//        e = dL/dentropy [n] (null when !with_entropy)
+//   out: dhidden [n, h] f32 (this shard's partial sum over its vocab), dweight [v, h] dtype,
+//        dbias [v] f32 (null when !has_bias), dzz [n] f32 = sum_j dz_j z_j over this shard
+//        (the temperature gradient is -inv_temp * dzz summed over shards).
+struct BwdArgs {
+  const void* hidden = nullptr;
+  const void* weight = nullptr;
+  const void* bias = nullptr;
+  const int32_t* targets = nullptr;
+  const float* inv_temp = nullptr;
+  const float* lse = nullptr;
+  const float* entropy = nullptr;
+  const float* g = nullptr;
+  const float* e = nullptr;
+  float* dhidden = nullptr;
+  void* dweight = nullptr;
+  float* dbias = nullptr;
+  float* dzz = nullptr;
+};
+
+// A status the frontends turn into an exception: nullptr on success, else a static message.
+using Status = const char*;
+
+// Which backends exist and count their calls/tokens (incremented by the handlers that run them).
+enum class Backend : int32_t { kCpu = 0, kCudaSm90 = 1, kCudaPortable = 2, kCount = 3 };
+const char* backend_name(Backend b);
+struct RouteCounts { int64_t fwd_calls, fwd_tokens, bwd_calls, bwd_tokens; };
+void count_call(Backend b, bool backward, int64_t tokens);  // thread-safe
+RouteCounts read_counts(Backend b);
+void reset_counts();
+
+namespace cpu {
+Status forward(const Problem& p, const FwdArgs& a);
+Status combine(const CombineArgs& a);
+Status backward(const Problem& p, const BwdArgs& a);
+}  // namespace cpu
+
+}  // namespace rlk

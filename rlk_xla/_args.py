@@ -1,0 +1,122 @@
+"""Argument checking and normalisation shared by the fused op and the reference.
+
+Every mistake is reported at trace time, naming the argument, as ValueError (values, shapes) or
+TypeError (dtypes).
+"""
+from __future__ import annotations
+
+import dataclasses
+import numbers
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from ._core import core
+
+F32 = jnp.float32
+SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
+
+
+@dataclasses.dataclass
+class Args:
+    hidden: Any          # [n, h]
+    weight: Any          # [v_local, h]
+    bias: Any            # [v_local] or None
+    targets: Any         # [n] int32, global ids
+    temperature: Any     # [n] f32
+    temperature_is_array: bool
+    ignore_index: int
+    vocab_start: Any     # int, or a traced scalar under axis_name
+    real_vocab: int
+    v_global: int
+    tp: int
+    axis_name: Any
+    out_shape: tuple
+
+    @property
+    def chunk(self) -> int:
+        return core.canonical_chunk(self.v_global)
+
+
+def _shape(x, name):
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+        raise TypeError(f"{name} must be an array, got {type(x).__name__}")
+    return tuple(x.shape)
+
+
+def parse(hidden, weight, targets, *, bias, temperature, ignore_index, vocab_start, real_vocab_size,
+          axis_name) -> Args:
+    hs, ws, ts = _shape(hidden, "hidden"), _shape(weight, "weight"), _shape(targets, "targets")
+    if len(hs) < 1:
+        raise ValueError(f"hidden must be [..., H], got shape {hs}")
+    if len(ws) != 2:
+        raise ValueError(f"weight must be [V, H], got shape {ws}")
+    if ws[1] != hs[-1]:
+        raise ValueError(f"weight's hidden size {ws[1]} does not match hidden's {hs[-1]} (weight {ws}, hidden {hs})")
+    if not jnp.issubdtype(hidden.dtype, jnp.floating):
+        raise TypeError(f"hidden must be floating point, got {hidden.dtype}")
+    if weight.dtype != hidden.dtype:
+        raise TypeError(f"weight dtype {weight.dtype} differs from hidden dtype {hidden.dtype}")
+    if not jnp.issubdtype(targets.dtype, jnp.integer):
+        raise TypeError(f"targets must be integer token ids, got {targets.dtype}")
+    if ts != hs[:-1]:
+        raise ValueError(f"targets shape {ts} must equal hidden's leading shape {hs[:-1]}")
+    if bias is not None:
+        bs = _shape(bias, "bias")
+        if bs != (ws[0],):
+            raise ValueError(f"bias must be [V] = ({ws[0]},), got shape {bs}")
+        if bias.dtype != weight.dtype:
+            raise TypeError(f"bias dtype {bias.dtype} differs from weight dtype {weight.dtype}")
+    if not isinstance(ignore_index, numbers.Integral):
+        raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
+
+    n = 1
+    for d in ts:
+        n *= d
+    if isinstance(temperature, numbers.Real) and not isinstance(temperature, bool):
+        if not (float(temperature) > 0.0 and float(temperature) < float("inf")):
+            raise ValueError(f"temperature must be a finite number > 0, got {temperature}")
+        temp, temp_is_array = jnp.full((n,), temperature, F32), False
+    else:
+        tshape = _shape(temperature, "temperature")
+        if not jnp.issubdtype(temperature.dtype, jnp.floating):
+            raise TypeError(f"temperature must be a float or a floating array, got {temperature.dtype}")
+        if tshape not in ((), ts):
+            raise ValueError(f"temperature array must be shaped like targets {ts}, got {tshape}")
+        temp, temp_is_array = jnp.broadcast_to(temperature.astype(F32), ts).reshape(n), True
+
+    v_local = ws[0]
+    if axis_name is None:
+        tp = 1
+        if vocab_start not in (None, 0):
+            raise ValueError(f"vocab_start={vocab_start} needs axis_name: without it the weight holds the whole vocab")
+        vocab_start = 0
+    else:
+        tp = lax.psum(1, axis_name)
+        if vocab_start is None:
+            vocab_start = lax.axis_index(axis_name) * v_local
+        elif not isinstance(vocab_start, numbers.Integral) or vocab_start < 0:
+            raise ValueError(f"vocab_start must be an int >= 0, got {vocab_start}")
+    v_global = v_local * tp
+    real = v_global if real_vocab_size is None else real_vocab_size
+    if not isinstance(real, numbers.Integral) or not 0 < real <= v_global:
+        raise ValueError(f"real_vocab_size must be an int in [1, {v_global}] (the padded vocab), got {real_vocab_size}")
+
+    return Args(hidden=hidden.reshape(n, hs[-1]), weight=weight, bias=bias,
+                targets=targets.reshape(n).astype(jnp.int32), temperature=temp, temperature_is_array=temp_is_array,
+                ignore_index=int(ignore_index), vocab_start=vocab_start, real_vocab=int(real), v_global=v_global,
+                tp=tp, axis_name=axis_name, out_shape=ts)
+
+
+def validate_targets(targets, vocab_size: int, ignore_index: int = -100) -> None:
+    """Raise ValueError, eagerly, naming the first id outside [0, vocab_size) that is not ignore_index."""
+    t = jax.device_get(targets)
+    import numpy as np
+    t = np.asarray(t).reshape(-1)
+    bad = np.nonzero((t != ignore_index) & ((t < 0) | (t >= vocab_size)))[0]
+    if bad.size:
+        i = int(bad[0])
+        raise ValueError(f"targets[{i}] = {int(t[i])} is outside [0, {vocab_size}) and is not "
+                         f"ignore_index={ignore_index} ({bad.size} bad ids in all)")

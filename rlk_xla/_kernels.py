@@ -1,0 +1,93 @@
+"""The three compiled kernels as jax.ffi calls: forward statistics, combine, backward.
+
+Each call lowers to the handler of the platform it runs on (lax.platform_dependent): the CUDA
+handlers take a trailing scratch buffer sized by the library, the CPU handlers none.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from ._core import core, has_platform, registered_platforms
+
+F32 = jnp.float32
+DTYPE_CODE = {jnp.dtype(jnp.float32): 0, jnp.dtype(jnp.float16): 1, jnp.dtype(jnp.bfloat16): 2}
+STAT_WIDTH = core.STAT_WIDTH
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelConfig:
+    """What the kernels take as attributes (static for one traced call)."""
+    vocab_start: int
+    real_vocab: int
+    chunk: int
+    ignore_index: int
+    has_bias: bool
+    with_entropy: bool
+
+    def attrs(self) -> dict:
+        return dict(vocab_start=np.int64(self.vocab_start), real_vocab=np.int64(self.real_vocab),
+                    chunk=np.int64(self.chunk), ignore_index=np.int64(self.ignore_index),
+                    has_bias=np.int64(self.has_bias), with_entropy=np.int64(self.with_entropy))
+
+
+def _sds(shape, dtype=F32):
+    return jax.ShapeDtypeStruct(tuple(shape), dtype)
+
+
+def _on_platform(results, cuda_workspace: int, name: str, args, attrs):
+    """ffi_call `name` on whichever platform this lowers for."""
+    registered_platforms()
+
+    def cpu(*a):
+        return jax.ffi.ffi_call(name, results, vmap_method="expand_dims")(*a, **attrs)
+
+    if not has_platform("CUDA"):
+        return cpu(*args)
+
+    def cuda(*a):
+        with_ws = list(results) + [_sds((max(cuda_workspace, 1),), jnp.uint8)]
+        out = jax.ffi.ffi_call(name, with_ws, vmap_method="expand_dims")(*a, **attrs)
+        return tuple(out[:-1])
+
+    return lax.platform_dependent(*args, cpu=cpu, cuda=cuda)
+
+
+def _workspace(hidden, weight, cfg: KernelConfig) -> tuple[int, int]:
+    n, h = hidden.shape
+    return core.cuda_workspace_bytes(n, h, weight.shape[0], cfg.chunk, DTYPE_CODE[jnp.dtype(hidden.dtype)],
+                                     cfg.has_bias, cfg.with_entropy)
+
+
+def _bias_arg(bias, dtype):
+    return bias if bias is not None else jnp.zeros((0,), dtype)
+
+
+def forward(hidden, weight, bias, targets, inv_temp, cfg: KernelConfig):
+    """-> stats [n, v/chunk, STAT_WIDTH] f32, target_logit [n] f32 (0 where not in this shard)."""
+    n, v = hidden.shape[0], weight.shape[0]
+    results = (_sds((n, v // cfg.chunk, STAT_WIDTH)), _sds((n,)))
+    args = (hidden, weight, _bias_arg(bias, hidden.dtype), targets, inv_temp)
+    return _on_platform(results, _workspace(hidden, weight, cfg)[0], "rlk_forward", args, cfg.attrs())
+
+
+def combine(stats, target_logit, targets, *, real_vocab: int, ignore_index: int):
+    """All chunks of the global vocab -> (logp, lse, entropy), each [n] f32."""
+    n = stats.shape[0]
+    attrs = dict(real_vocab=np.int64(real_vocab), ignore_index=np.int64(ignore_index))
+    return _on_platform((_sds((n,)),) * 3, 0, "rlk_combine", (stats, target_logit, targets), attrs)
+
+
+def backward(hidden, weight, bias, targets, inv_temp, lse, entropy, g, e, cfg: KernelConfig):
+    """-> dhidden [n, h] f32 (this shard's part), dweight [v, h], dbias [v] f32, dzz [n] f32."""
+    n, h = hidden.shape
+    v = weight.shape[0]
+    empty = jnp.zeros((0,), F32)
+    results = (_sds((n, h)), _sds((v, h), weight.dtype), _sds((v if cfg.has_bias else 0,)), _sds((n,)))
+    args = (hidden, weight, _bias_arg(bias, hidden.dtype), targets, inv_temp, lse,
+            entropy if cfg.with_entropy else empty, g, e if cfg.with_entropy else empty)
+    return _on_platform(results, _workspace(hidden, weight, cfg)[1], "rlk_backward", args, cfg.attrs())

@@ -1,0 +1,161 @@
+"""rlk_xla.linear_logp: log_softmax(hidden @ W^T / T)[target] without materializing the logits.
+
+The fused path is a jax.custom_vjp over three compiled kernels (rlk_xla._kernels): per-chunk
+forward statistics, a fixed-order combine, and the backward. Under shard_map with `axis_name`,
+`weight` is this device's vocab shard; the shards exchange only per-row, per-chunk statistics.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from . import _kernels as K
+from . import reference, routes
+from ._args import SUPPORTED_DTYPES, Args, parse
+from ._compat import pvary
+from ._core import has_platform, registered_platforms
+
+F32 = jnp.float32
+# Padding columns of a vocab shard get this added logit under shard_map: exp() of it is exactly 0,
+# and, unlike -inf, it keeps 0 * z finite in the statistics and the gradient.
+PAD_LOGIT = -1e30
+
+
+def linear_logp(hidden, weight, targets, *, bias=None, temperature=1.0, ignore_index=-100, vocab_start=None,
+                real_vocab_size=None, return_entropy=False, mode=None, axis_name=None):
+    """Selected-token log-probabilities (and optionally entropies) of `hidden @ weight.T`.
+
+    hidden [..., H] (bf16, fp16 or fp32), weight [V, H] (same dtype), targets [...] int token ids.
+    Returns fp32 logp shaped like targets, or (logp, entropy) with return_entropy=True.
+    temperature: a float > 0 or an fp32 array shaped like targets (differentiable).
+    ignore_index rows give 0 and no gradient; ids outside [0, real_vocab_size) give NaN and no gradient.
+    Inside shard_map pass axis_name: weight (and bias) are this device's vocab shard, vocab_start
+    defaults to axis_index * V, real_vocab_size to the padded global vocab.
+    mode: "auto" (default, env RLK_MODE), "strict", "audit" or "off" (the reference).
+    """
+    mode = routes.resolve_mode(mode)
+    a = parse(hidden, weight, targets, bias=bias, temperature=temperature, ignore_index=ignore_index,
+              vocab_start=vocab_start, real_vocab_size=real_vocab_size, axis_name=axis_name)
+    n = a.hidden.shape[0]
+    reason = _unsupported(a)
+    if n == 0 or mode == "off":
+        if n:
+            routes.count_reference(n, None)
+        logp, ent = reference.rows(a, return_entropy)
+    elif reason is not None:
+        if mode == "strict":
+            raise RuntimeError(f"rlk_xla.linear_logp(mode='strict'): the fused kernels cannot run this call: {reason}")
+        routes.count_reference(n, reason)
+        logp, ent = reference.rows(a, return_entropy)
+    else:
+        logp, ent = fused_rows(a, return_entropy)
+        if mode == "audit":
+            ref_logp, _ = reference.rows(a, False)
+            routes.record_audit(logp, lax.stop_gradient(ref_logp))
+    logp = logp.reshape(a.out_shape)
+    return (logp, ent.reshape(a.out_shape)) if return_entropy else logp
+
+
+def _unsupported(a: Args) -> str | None:
+    """Why the fused kernels cannot take this call (the fallback reason), or None."""
+    if jnp.dtype(a.hidden.dtype) not in SUPPORTED_DTYPES:
+        return f"dtype {a.hidden.dtype} (supported: bfloat16, float16, float32)"
+    platform = jax.default_backend()
+    registered_platforms()
+    if platform == "cpu" and has_platform("cpu"):
+        return None
+    if platform == "gpu" and has_platform("CUDA"):
+        return None
+    return f"platform {platform} (this build has kernels for: {', '.join(registered_platforms()) or 'none'})"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+    cfg: K.KernelConfig
+    real_vocab: int          # of the global vocab, for the combine
+    ignore_index: int
+    axis_name: object
+    tp: int
+
+
+def fused_rows(a: Args, with_entropy: bool):
+    """logp and entropy ([n] f32; entropy zeros unless asked) through the compiled kernels."""
+    v_local = a.weight.shape[0]
+    bias, ktargets = a.bias, a.targets
+    if a.axis_name is None:
+        cfg = K.KernelConfig(vocab_start=0, real_vocab=a.real_vocab, chunk=a.chunk, ignore_index=a.ignore_index,
+                             has_bias=bias is not None, with_entropy=with_entropy)
+    else:
+        # One program for every shard: the shard's offset is a run-time value, so the kernels see
+        # local columns, local target columns, and padding through the bias.
+        gid = a.vocab_start + jnp.arange(v_local)
+        if a.real_vocab < a.v_global:
+            pad = jnp.where(gid >= a.real_vocab, PAD_LOGIT, 0.0).astype(a.weight.dtype)
+            bias = pad if bias is None else bias + pad
+        ktargets = _shard_targets(a, v_local)
+        cfg = K.KernelConfig(vocab_start=0, real_vocab=a.v_global, chunk=a.chunk, ignore_index=a.ignore_index,
+                             has_bias=bias is not None, with_entropy=with_entropy)
+    st = _Static(cfg=cfg, real_vocab=a.real_vocab, ignore_index=a.ignore_index, axis_name=a.axis_name, tp=a.tp)
+    chunk_offset = a.vocab_start // a.chunk
+    return _fused(st, a.hidden, a.weight, bias, a.temperature, a.targets, ktargets, chunk_offset)
+
+
+def _shard_targets(a: Args, v_local: int):
+    """Global targets -> what this shard's kernels take: the local column of a local target;
+    v_local (a valid id of no local column) for a real target elsewhere; the ignore/invalid codes
+    of rows without gradient."""
+    t = a.targets
+    ignored = t == a.ignore_index
+    valid = ~ignored & (t >= 0) & (t < a.real_vocab)
+    local = valid & (t >= a.vocab_start) & (t < a.vocab_start + v_local)
+    invalid_code = -1 if a.ignore_index != -1 else -2
+    return jnp.where(local, t - a.vocab_start,
+                     jnp.where(valid, v_local, jnp.where(ignored, a.ignore_index, invalid_code))).astype(jnp.int32)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _fused(st: _Static, hidden, weight, bias, temperature, targets, ktargets, chunk_offset):
+    return _fused_fwd(st, hidden, weight, bias, temperature, targets, ktargets, chunk_offset)[0]
+
+
+def _varying(st: _Static, *xs):
+    return xs if st.axis_name is None else tuple(None if x is None else pvary(x, st.axis_name) for x in xs)
+
+
+def _fused_fwd(st: _Static, hidden, weight, bias, temperature, targets, ktargets, chunk_offset):
+    inv_temp = 1.0 / temperature
+    hk, itk, ktk = _varying(st, hidden, inv_temp, ktargets)
+    stats, target_logit = K.forward(hk, weight, bias, ktk, itk, st.cfg)
+    if st.axis_name is not None:
+        # Every shard places its chunks at their global position and the sum over shards adds
+        # exact zeros elsewhere: all shards then hold the same [n, chunks, 3] statistics, which the
+        # combine folds in chunk order, so TP = 1, 2, 4, 8 give the same bits.
+        n, k_local, w = stats.shape
+        full = jnp.zeros((n, k_local * st.tp, w), F32)
+        full = lax.dynamic_update_slice(full, stats, (0, chunk_offset, 0))
+        stats = lax.psum(full, st.axis_name)
+        target_logit = lax.psum(target_logit, st.axis_name)
+    logp, lse, ent = K.combine(stats, target_logit, targets, real_vocab=st.real_vocab, ignore_index=st.ignore_index)
+    if not st.cfg.with_entropy:
+        ent = jnp.zeros_like(logp)
+    return (logp, ent), (hidden, weight, bias, inv_temp, ktargets, lse, ent)
+
+
+def _fused_bwd(st: _Static, res, cts):
+    hidden, weight, bias, inv_temp, ktargets, lse, ent = res
+    g, e = cts
+    hk, itk, ktk, lk, ek, gk, eek = _varying(st, hidden, inv_temp, ktargets, lse, ent, g.astype(F32), e.astype(F32))
+    dh, dw, db, dzz = K.backward(hk, weight, bias, ktk, itk, lk, ek, gk, eek, st.cfg)
+    if st.axis_name is not None:
+        dh = lax.psum(dh, st.axis_name)
+        dzz = lax.psum(dzz, st.axis_name)
+    dtemp = -inv_temp * dzz
+    dbias = None if bias is None else db.astype(bias.dtype)
+    return dh.astype(hidden.dtype), dw, dbias, dtemp, None, None, None
+
+
+_fused.defvjp(_fused_fwd, _fused_bwd)

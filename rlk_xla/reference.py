@@ -1,0 +1,53 @@
+"""The reference: plain jnp with materialized fp32 logits. The oracle of the tests and the `off` path.
+
+Same signature and semantics as rlk_xla.linear_logp (inside shard_map with `axis_name`, the
+weight is this device's vocab shard and the statistics are combined with collectives).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from ._args import Args, parse
+
+F32 = jnp.float32
+
+
+def linear_logp(hidden, weight, targets, *, bias=None, temperature=1.0, ignore_index=-100, vocab_start=None,
+                real_vocab_size=None, return_entropy=False, axis_name=None, mode=None):
+    del mode  # accepted for signature parity; the reference is what `off` runs
+    a = parse(hidden, weight, targets, bias=bias, temperature=temperature, ignore_index=ignore_index,
+              vocab_start=vocab_start, real_vocab_size=real_vocab_size, axis_name=axis_name)
+    logp, ent = rows(a, return_entropy)
+    logp = logp.reshape(a.out_shape)
+    return (logp, ent.reshape(a.out_shape)) if return_entropy else logp
+
+
+def rows(a: Args, with_entropy: bool):
+    """logp and entropy ([n] f32 each; entropy zeros when not asked) of parsed arguments."""
+    logits = jnp.dot(a.hidden, a.weight.T, preferred_element_type=F32)
+    if a.bias is not None:
+        logits = logits + a.bias.astype(F32)
+    z = logits / a.temperature[:, None]
+    gid = a.vocab_start + jnp.arange(a.weight.shape[0])
+    pad = gid[None, :] >= a.real_vocab
+    z = jnp.where(pad, -jnp.inf, z)
+    reduce_max = (lambda x: lax.pmax(x, a.axis_name)) if a.axis_name else (lambda x: x)
+    reduce_sum = (lambda x: lax.psum(x, a.axis_name)) if a.axis_name else (lambda x: x)
+    m = lax.stop_gradient(reduce_max(jnp.max(z, axis=-1)))
+    lse = m + jnp.log(reduce_sum(jnp.sum(jnp.exp(z - m[:, None]), axis=-1)))
+    t = a.targets
+    local = (t >= a.vocab_start) & (t < a.vocab_start + a.weight.shape[0])
+    idx = jnp.clip(t - a.vocab_start, 0, a.weight.shape[0] - 1)
+    zt = reduce_sum(jnp.where(local, jnp.take_along_axis(z, idx[:, None], axis=-1)[:, 0], 0.0))
+    ignored = t == a.ignore_index
+    invalid = ~ignored & ((t < 0) | (t >= a.real_vocab))
+    keep = ~(ignored | invalid)
+    logp = jnp.where(keep, zt - jnp.where(keep, lse, 0.0), jnp.where(invalid, jnp.nan, 0.0))
+    if not with_entropy:
+        return logp, jnp.zeros_like(logp)
+    p = jnp.exp(z - lse[:, None])
+    z_safe = jnp.where(pad, 0.0, z)  # p z is 0 on padding; keep -inf out of the gradient
+    ent = jnp.where(keep, lse - reduce_sum(jnp.sum(p * z_safe, axis=-1)), jnp.where(invalid, jnp.nan, 0.0))
+    return logp, ent

@@ -1,0 +1,79 @@
+"""Modes (off / auto / strict / audit) and the observable route of every call.
+
+The fused kernels count their own executions inside the compiled handlers; the reference path,
+the fallbacks and the audit records are counted on the host when the program runs (through
+jax.debug.callback), never at trace time.
+"""
+from __future__ import annotations
+
+import collections
+import os
+import threading
+
+import jax
+import numpy as np
+
+from ._core import core
+
+MODES = ("off", "auto", "strict", "audit")
+
+_lock = threading.Lock()
+_reference = {"calls": 0, "tokens": 0}
+_fallbacks: collections.Counter = collections.Counter()
+_AUDIT_ZERO = {"calls": 0, "rows": 0, "sum_abs_dlogp": 0.0, "max_abs_dlogp": 0.0, "unequal_rows": 0, "equal_rows": 0}
+_audit = dict(_AUDIT_ZERO)
+
+
+def resolve_mode(mode: str | None) -> str:
+    mode = mode if mode is not None else os.environ.get("RLK_MODE", "auto")
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r} (argument mode or env RLK_MODE)")
+    return mode
+
+
+def count_reference(tokens: int, reason: str | None) -> None:
+    """At run time: one call of the reference path; `reason` is the fallback's, None for mode=off."""
+    def record():
+        with _lock:
+            _reference["calls"] += 1
+            _reference["tokens"] += tokens
+            if reason is not None:
+                _fallbacks[reason] += 1
+    jax.debug.callback(record)
+
+
+def record_audit(ours, ref) -> None:
+    """At run time: compare the fused logp with the reference's, row by row."""
+    def record(o, r):
+        o, r = np.asarray(o, np.float32), np.asarray(r, np.float32)
+        both_nan = np.isnan(o) & np.isnan(r)
+        d = np.where(both_nan, 0.0, np.abs(o.astype(np.float64) - r))
+        equal = (o.view(np.uint32) == r.view(np.uint32)) | both_nan
+        with _lock:
+            _audit["calls"] += 1
+            _audit["rows"] += int(o.size)
+            _audit["sum_abs_dlogp"] += float(np.nansum(d))
+            _audit["max_abs_dlogp"] = max(_audit["max_abs_dlogp"], float(np.nanmax(d)) if d.size else 0.0)
+            _audit["equal_rows"] += int(equal.sum())
+            _audit["unequal_rows"] += int((~equal).sum())
+    jax.debug.callback(record, ours, ref)
+
+
+def route_stats() -> dict:
+    """Counters since the last reset: fused calls/tokens per backend (forward and backward), the
+    reference path's calls/tokens, fallbacks by reason, and the audit summary."""
+    backends = {name: dict(zip(("fwd_calls", "fwd_tokens", "bwd_calls", "bwd_tokens"), counts))
+                for name, counts in core.route_counts().items()}
+    with _lock:
+        audit = dict(_audit)
+        audit["mean_abs_dlogp"] = audit["sum_abs_dlogp"] / audit["rows"] if audit["rows"] else 0.0
+        return {"backends": backends, "reference": dict(_reference), "fallbacks": dict(_fallbacks),
+                "fallback_total": sum(_fallbacks.values()), "audit": audit}
+
+
+def reset_route_stats() -> None:
+    core.reset_route_counts()
+    with _lock:
+        _reference.update(calls=0, tokens=0)
+        _fallbacks.clear()
+        _audit.update(_AUDIT_ZERO)
