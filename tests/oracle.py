@@ -1,0 +1,72 @@
+"""The float64 oracle (numpy): values and every gradient, from the math in DESIGN.md section 1.
+
+Operands are taken exactly as the kernels see them (their dtype's values, widened to float64),
+so the only differences left are the kernels' fp32 arithmetic and output rounding.
+"""
+import numpy as np
+
+# Tolerances from the dtype of what is compared:
+# - logp / entropy are fp32 results of fp32 accumulation over H products: a few fp32 ulps of the
+#   largest terms, so |err| <= 2e-5 * (1 + |ref|) holds with margin for H <= 4096.
+# - gradients are rounded to the input dtype at the end: norm-relative error within one ulp
+#   (2^-8 bf16, 2^-11 fp16) plus the fp32 accumulation (1e-5 for fp32 outputs).
+VALUE_ATOL, VALUE_RTOL = 2e-5, 2e-5
+GRAD_RTOL = {"bfloat16": 2.0 ** -8, "float16": 2.0 ** -10, "float32": 1e-5}
+
+
+def f64(x):
+    return np.asarray(np.asarray(x, dtype=np.float32), dtype=np.float64)
+
+
+def linear_logp(h, w, t, *, bias=None, temperature=1.0, ignore_index=-100, real_vocab=None, g=None, e=None):
+    """Returns dict(logp, entropy, dh, dw, db, dtemp) in float64 for loss = sum g*logp + sum e*entropy."""
+    h, w = f64(h), f64(w)
+    t = np.asarray(t).reshape(-1).astype(np.int64)
+    n, v = h.shape[0], w.shape[0]
+    real = v if real_vocab is None else real_vocab
+    temp = np.broadcast_to(f64(temperature), (n,)).astype(np.float64)
+    logits = h @ w.T + (f64(bias)[None, :] if bias is not None else 0.0)
+    z = logits / temp[:, None]
+    pad = np.arange(v)[None, :] >= real
+    z = np.where(pad, -np.inf, z)
+    m = z.max(axis=1, keepdims=True)
+    lse = (m + np.log(np.exp(z - m).sum(axis=1, keepdims=True)))[:, 0]
+    p = np.exp(z - lse[:, None])
+    zs = np.where(pad, 0.0, z)
+    ent = lse - (p * zs).sum(axis=1)
+    ignored = t == ignore_index
+    invalid = ~ignored & ((t < 0) | (t >= real))
+    keep = ~(ignored | invalid)
+    zt = np.where(keep, zs[np.arange(n), np.clip(t, 0, v - 1)], 0.0)
+    logp = np.where(keep, zt - lse, np.where(invalid, np.nan, 0.0))
+    ent = np.where(keep, ent, np.where(invalid, np.nan, 0.0))
+    out = dict(logp=logp, entropy=ent)
+    g = np.zeros(n) if g is None else f64(g).reshape(-1)
+    e = np.zeros(n) if e is None else f64(e).reshape(-1)
+    delta = np.zeros_like(z)
+    delta[np.arange(n)[keep], t[keep]] = 1.0
+    dz = g[:, None] * (delta - p) + e[:, None] * p * (lse - np.where(keep, ent, 0.0))[:, None] - e[:, None] * p * zs
+    dz = np.where(pad | ~keep[:, None], 0.0, dz)
+    dlogit = dz / temp[:, None]
+    out.update(dh=dlogit @ w, dw=dlogit.T @ h, db=dlogit.sum(axis=0), dtemp=-(dz * zs).sum(axis=1) / temp)
+    return out
+
+
+def rel_err(x, ref):
+    x, ref = f64(x), np.asarray(ref, np.float64)
+    den = np.linalg.norm(ref)
+    return float(np.linalg.norm(x - ref) / (den if den > 0 else 1.0))
+
+
+def assert_values(x, ref, what):
+    x, ref = f64(x), np.asarray(ref, np.float64)
+    assert np.array_equal(np.isnan(x), np.isnan(ref)), f"{what}: NaN pattern differs"
+    ok = np.isnan(ref) | (np.abs(x - ref) <= VALUE_ATOL + VALUE_RTOL * np.abs(ref))
+    bad = np.argwhere(~ok)
+    assert bad.size == 0, f"{what}: {bad.shape[0]} elements off, first {bad[0]}: {x[tuple(bad[0])]} vs {ref[tuple(bad[0])]}"
+
+
+def assert_grad(x, ref, dtype, what):
+    err = rel_err(x, ref)
+    assert np.all(np.isfinite(f64(x))), f"{what}: non-finite gradient"
+    assert err <= GRAD_RTOL[str(dtype)], f"{what}: relative error {err:.3g} > {GRAD_RTOL[str(dtype)]:.3g}"
