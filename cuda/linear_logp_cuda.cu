@@ -16,6 +16,9 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <atomic>
+#include <cstdlib>
+#include <cstring>
 #include <mutex>
 
 #include "lp_gemm_portable.cuh"
@@ -46,6 +49,8 @@ int device_cc() {
   });
   return g_cc[dev];
 }
+
+std::atomic<int> g_sm90_on{-1};  // -1: not read from the environment yet
 
 // ---- small helpers ----------------------------------------------------------------------------
 __device__ __forceinline__ float warp_max(float x) {
@@ -373,7 +378,7 @@ Status forward_portable_partials(const Problem& p, const T* hidden, int64_t rows
 
 template <typename T>
 Status forward_t(const Problem& p, const FwdArgs& a, Workspace ws, cudaStream_t st, Backend* ran) {
-  const Backend be = forward_backend(p);
+  Backend be = forward_backend(p);
   if (ran) *ran = be;
   const T* H = cptr<T>(a.hidden);
   const T* W = cptr<T>(a.weight);
@@ -387,6 +392,11 @@ Status forward_t(const Problem& p, const FwdArgs& a, Workspace ws, cudaStream_t 
 #if RLK_HAVE_SM90
     if (be == Backend::kCudaSm90) {
       s = sm90_forward_partials(p, H + r0 * p.h, rows, a.weight, a.bias, a.inv_temp + r0, part, st);
+      if (s == kSm90Misaligned) {  // TMA needs 16-byte aligned bases: the portable kernel takes it
+        be = Backend::kCudaPortable;
+        if (ran) *ran = be;
+        s = forward_portable_partials<T>(p, H + r0 * p.h, rows, W, B, a.inv_temp + r0, part, st);
+      }
     } else
 #endif
     {
@@ -476,9 +486,22 @@ Status backward_t(const Problem& p, const BwdArgs& a, Workspace ws, cudaStream_t
 // ---- the API ----------------------------------------------------------------------------------
 using namespace detail;
 
+void detail::set_sm90_enabled(bool on) { g_sm90_on.store(on ? 1 : 0); }
+bool detail::sm90_enabled() {
+  int v = g_sm90_on.load();
+  if (v < 0) {
+    const char* e = std::getenv("RLK_CUDA_DISABLE_SM90");
+    v = (e != nullptr && std::strcmp(e, "0") != 0) ? 0 : 1;
+    int expect = -1;
+    g_sm90_on.compare_exchange_strong(expect, v);
+    v = g_sm90_on.load();
+  }
+  return v == 1;
+}
+
 Backend forward_backend(const Problem& p) {
 #if RLK_HAVE_SM90
-  if (device_cc() == 90 && (p.dtype == DType::kBF16 || p.dtype == DType::kF16) && p.h > 0 &&
+  if (sm90_enabled() && device_cc() == 90 && (p.dtype == DType::kBF16 || p.dtype == DType::kF16) && p.h > 0 &&
       p.h % kSm90HMultiple == 0)
     return Backend::kCudaSm90;
 #else

@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "linear_logp_cuda.h"
+#include "lp_internal.h"
 
 using namespace rlk;
 
@@ -170,7 +171,7 @@ struct Row { std::string name; double e_logp, e_ent, e_dh, e_dw, e_db, e_dzz; bo
 static std::vector<Row> g_rows;
 
 struct Case {
-  int64_t n, h, v; DType dt; bool bias, entropy; int64_t pad; bool bwd = true; int64_t sub0 = -1, sub1 = -1; bool tp = false;
+  int64_t n, h, v; DType dt; bool bias, entropy; int64_t pad; bool bwd = true; int64_t sub0 = -1, sub1 = -1; bool tp = false; bool portable = false;
 };
 
 static double relerr(const std::vector<double>& a, const std::vector<double>& r) {
@@ -184,6 +185,7 @@ static double relerr(const std::vector<double>& a, const std::vector<double>& r)
 }
 
 static void run_case(const Case& c, uint64_t seed) {
+  cuda::detail::set_sm90_enabled(!c.portable);
   Problem p;
   p.n = c.n; p.h = c.h; p.v = c.v; p.vocab_start = 0; p.real_vocab = c.v - c.pad;
   p.chunk = canonical_chunk(c.v); p.ignore_index = -100; p.dtype = c.dt;
@@ -365,6 +367,7 @@ static void run_case(const Case& c, uint64_t seed) {
   row.pass = row.e_logp <= 2e-5 && row.e_ent <= 5e-5 && row.e_dh <= tol_g && row.e_dw <= tol_g && row.e_db <= tol_g &&
              row.e_dzz <= tol_g && row.written && row.det && row.batch && row.tp;
   g_rows.push_back(row);
+  cuda::detail::set_sm90_enabled(true);
   printf("  done: %s  logp %.2e ent %.2e dH %.2e dW %.2e db %.2e dzz %.2e %s\n", row.name.c_str(), row.e_logp, row.e_ent,
          row.e_dh, row.e_dw, row.e_db, row.e_dzz, row.pass ? "PASS" : "FAIL");
   fflush(stdout);
@@ -448,10 +451,14 @@ int main(int argc, char** argv) {
   add({1, 64, 151936, DType::kBF16, true, false, 0, true, -1, -1, true});
   add({127, 2048, vodd, DType::kBF16, false, true, 0, true, 5, 68, false});
   add({127, 2048, 151936, DType::kF16, true, true, 36, true, 5, 68, true});
+  add({127, 64, vodd, DType::kBF16, true, true, 13, true, 5, 68, false, true});      // portable kernel forced
+  add({127, 2048, 151936, DType::kF16, true, true, 36, true, 5, 68, true, true});
   if (!quick) {
     add({4097, 64, vodd, DType::kF32, true, true, 5, true, 4000, 4097, false});
     add({4097, 2048, 151936, DType::kBF16, true, true, 36, true, 100, 300, true});
     add({4097, 64, 8192 * 3, DType::kBF16, false, false, 7, true, -1, -1, true});
+    add({4097, 2048, 151936, DType::kBF16, true, true, 36, true, 100, 300, true, true});
+    add({300, 72, 7013, DType::kBF16, true, true, 13, true, 5, 68, false});  // h % 64 != 0: portable
     add({16384, 256, 151936, DType::kBF16, false, true, 36, false, -1, -1, false});  // n*v > 2^31
   }
   uint64_t seed = 1000;

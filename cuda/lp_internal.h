@@ -33,7 +33,13 @@ inline int64_t fwd_rows_per_pass(const Problem& p) {
   return r < n128 ? r : (n128 > 0 ? n128 : 128);
 }
 
+// Debug/test switch: when false, forward_backend never picks the sm90 kernel. Initialised from the
+// environment variable RLK_CUDA_DISABLE_SM90 (any value but "0" disables) at first use.
+void set_sm90_enabled(bool on);
+bool sm90_enabled();
+
 #if RLK_HAVE_SM90
+extern const char* const kSm90Misaligned;  // returned when TMA cannot take the pointers
 // The Hopper forward: fills part[rows, total_splits, 3] for rows [0, rows) of the given hidden
 // pointer (already offset to the pass's first row). Returns nullptr or a static error.
 const char* sm90_forward_partials(const Problem& p, const void* hidden, int64_t rows,

@@ -27,12 +27,12 @@ nvcc -o $B/lptest $B/test.o $objs -lcudart 2>&1 | tee $OUT/build.log || { echo B
 echo "built $(date)"
 for step in "$@"; do
   case $step in
-    test) $B/lptest 2>&1 | tee $OUT/test.log ;;
-    quick) $B/lptest --quick 2>&1 | tee $OUT/test.log ;;
-    san) compute-sanitizer --tool memcheck --print-limit 5 $B/lptest --quick 2>&1 | tail -n 25 | tee $OUT/memcheck.log
-         compute-sanitizer --tool racecheck --print-limit 5 $B/lptest --quick 2>&1 | tail -n 25 | tee $OUT/racecheck.log ;;
-    bench) $B/lptest --bench 2>&1 | tee $OUT/bench.log ;;
-    bench1) $B/lptest --bench --only T3 2>&1 | tee $OUT/bench.log ;;
+    test) timeout 150 $B/lptest 2>&1 | tee $OUT/test.log ;;
+    quick) timeout 60 $B/lptest --quick 2>&1 | tee $OUT/test.log ;;
+    san) timeout 200 compute-sanitizer --tool memcheck --print-limit 5 $B/lptest --quick 2>&1 | tail -n 25 | tee $OUT/memcheck.log
+         timeout 200 compute-sanitizer --tool racecheck --print-limit 5 $B/lptest --quick 2>&1 | tail -n 25 | tee $OUT/racecheck.log ;;
+    bench) timeout 150 $B/lptest --bench 2>&1 | tee $OUT/bench.log ;;
+    bench1) timeout 60 $B/lptest --bench --only T3 2>&1 | tee $OUT/bench.log ;;
     gemm) python3 - <<'PY' 2>&1 | tee $OUT/gemm.log
 import torch, triton
 for name,n,h,v in [("T1",796,2048,75968),("T2",1820,2048,75968),("T3",6827,2048,75968),("T3-tp1",6827,2048,151936),("H200-pub",4096,4096,128256),("L16k",16384,4096,151936)]:

@@ -1,0 +1,323 @@
+// The Hopper (sm_90a) forward of linear_logp for bf16/fp16: TMA + wgmma + streaming-LSE epilogue.
+//
+// Compiled only with -gencode=arch=compute_90a,code=sm_90a and only when RLK_HAVE_SM90 is set.
+//
+// Structure (after FlashAttention 3's hopper/ split into named pieces):
+//   * tile scheduler  - one CTA per (128-row tile, split); the linear block id is mapped to
+//                       (row tile, split) in groups of kGroupRows row tiles, so the CTAs resident at
+//                       one time share a few W tiles and a few H tiles and the re-reads hit L2.
+//                       The map only orders work; what a CTA computes does not depend on it.
+//   * mainloop        - warp-specialised: warpgroup 0 is the producer (one thread issues TMA loads
+//                       of a 128x64 H box and a 256x64 W box per stage into a kStages-deep ring,
+//                       128-byte swizzle, completion on "full" mbarriers); warpgroups 1 and 2 are
+//                       consumers, each owns 64 rows and issues wgmma m64n256k16 (fp32
+//                       accumulators in registers) and frees a stage on its "empty" mbarrier once
+//                       the wgmma that read it has retired (wait_group 1 keeps one batch in flight).
+//                       setmaxnreg moves registers from the producer to the consumers.
+//   * epilogue        - folds each 64x256 logit tile, straight from the accumulator registers, into
+//                       per-row running (m, s, a): the row's 256 values live in one quad of lanes
+//                       (64 per lane), so a tile costs a thread-local pass plus two xor shuffles.
+//                       Exponentials use ex2 on log2e-scaled logits; (m, s, a) are converted back
+//                       to natural units per tile and merged with stats_merge. The producer keeps
+//                       prefetching the next tile while the consumers run the epilogue.
+// Logits never leave registers. Per-(row, split) partials go to the workspace; the finalize
+// kernel of linear_logp_cuda.cu merges them per chunk exactly as for the portable kernel.
+// Every row goes through the same instruction sequence whatever its position in the tile, and
+// the split geometry is relative to the chunk start, so results are batch- and TP-invariant.
+#if RLK_HAVE_SM90
+
+#include <cuda.h>
+#include <cudaTypedefs.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <mutex>
+
+#include "lp_internal.h"
+
+namespace rlk::cuda::detail {
+namespace {
+
+constexpr int kBM = 128, kBN = 256, kBK = 64, kStages = 4;
+constexpr int kABytes = kBM * kBK * 2, kBBytes = kBN * kBK * 2, kStageBytes = kABytes + kBBytes;
+constexpr int kSmemBytes = kStages * kStageBytes + 1024 /*alignment*/ + 256 /*barriers*/;
+constexpr int kThreads = 384;  // producer warpgroup + 2 consumer warpgroups
+constexpr int64_t kGroupRows = 16;
+static_assert(kSplitCols % kBN == 0, "a split is a whole number of column tiles");
+static_assert(kSm90HMultiple % kBK == 0, "h multiple covers the K tile");
+
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+
+// ---- PTX helpers --------------------------------------------------------------------------------
+__device__ __forceinline__ uint32_t smem_u32(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
+
+__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count));
+}
+__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+  asm volatile(
+      "{\n.reg .pred P1;\nWAIT_%=:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 P1, [%0], %1;\n"
+      "@!P1 bra WAIT_%=;\n}\n" ::"r"(bar), "r"(parity) : "memory");
+}
+__device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap* map, int32_t c0, int32_t c1, uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n"
+      ::"r"(dst), "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(bar) : "memory");
+}
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N> __device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+// Shared-memory matrix descriptor: K-major, 128-byte swizzle, 8-row groups 1024 bytes apart.
+__device__ __forceinline__ uint64_t smem_desc(uint32_t addr) {
+  return uint64_t((addr & 0x3FFFF) >> 4) | (uint64_t(1) << 16) | (uint64_t(1024 >> 4) << 32) | (uint64_t(1) << 62);
+}
+__device__ __forceinline__ float ex2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
+#define RLK_WGMMA_M64N256K16(TY)                                                        \
+  asm volatile(                                                                         \
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"                                      \
+      "wgmma.mma_async.sync.aligned.m64n256k16.f32." TY "." TY " "                      \
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, "  \
+      "%128, %129, p, 1, 1, 0, 0;\n}\n"                                                  \
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127]) \
+      : "l"(da), "l"(db), "r"(scale_d))
+
+
+template <bool kBf16> __device__ __forceinline__ void wgmma_tile(float* d, uint64_t da, uint64_t db, int scale_d) {
+  if constexpr (kBf16) { RLK_WGMMA_M64N256K16("bf16"); }
+  else { RLK_WGMMA_M64N256K16("f16"); }
+}
+
+template <bool kBf16> __device__ __forceinline__ float load_bias(const void* b, int64_t col) {
+  const uint16_t raw = static_cast<const uint16_t*>(b)[col];
+  if constexpr (kBf16) return __uint_as_float(uint32_t(raw) << 16);
+  else { __half_raw hr; hr.x = raw; return __half2float(__half(hr)); }
+}
+
+struct Params {
+  int64_t rows, v, chunk, spc, nsplit, vocab_start, real_vocab, row_tiles;
+  int32_t kblocks;
+  const void* bias;
+  const float* inv_temp;
+  float* part;
+};
+
+// ---- epilogue: fold one 64x256 accumulator tile into the two rows' running statistics ----------
+// Lane l of warp w (in its warpgroup) holds rows w*16 + l/4 (values d[4j], d[4j+1]) and +8
+// (d[4j+2], d[4j+3]) at columns 8j + 2(l%4) + {0,1}, j = 0..31.
+template <bool kBf16, bool kMask>
+__device__ __forceinline__ void epilogue_tile(float* d, int64_t t0, int64_t col_end, const Params& P, float itA,
+                                              float itB, float (&run)[2][3]) {
+  const int cq = 2 * (threadIdx.x % 4);
+  float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+  for (int j = 0; j < 32; ++j) {
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int64_t col = t0 + 8 * j + cq + e;
+      bool live = true;
+      if constexpr (kMask) live = col < col_end && P.vocab_start + col < P.real_vocab;
+      const float b = (P.bias != nullptr && (!kMask || col < col_end)) ? load_bias<kBf16>(P.bias, col) : 0.f;
+      d[4 * j + e] = live ? (d[4 * j + e] + b) * itA : -INFINITY;
+      d[4 * j + 2 + e] = live ? (d[4 * j + 2 + e] + b) * itB : -INFINITY;
+      mx[0] = fmaxf(mx[0], d[4 * j + e]);
+      mx[1] = fmaxf(mx[1], d[4 * j + 2 + e]);
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+    mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+  }
+  float s[2] = {0.f, 0.f}, a[2] = {0.f, 0.f};
+  const float mref[2] = {mx[0] > -INFINITY ? mx[0] : 0.f, mx[1] > -INFINITY ? mx[1] : 0.f};
+#pragma unroll
+  for (int j = 0; j < 32; ++j) {
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      const int r = q >> 1;
+      float t = d[4 * j + q] - mref[r];
+      const float ex = ex2(t);
+      if constexpr (kMask) t = ex > 0.f ? t : 0.f;  // masked: -inf * 0
+      s[r] += ex;
+      a[r] = fmaf(ex, t, a[r]);
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    s[r] += __shfl_xor_sync(0xffffffffu, s[r], 1);
+    a[r] += __shfl_xor_sync(0xffffffffu, a[r], 1);
+    s[r] += __shfl_xor_sync(0xffffffffu, s[r], 2);
+    a[r] += __shfl_xor_sync(0xffffffffu, a[r], 2);
+    if (mx[r] > -INFINITY) stats_merge(mx[r] * kLn2, s[r], a[r] * kLn2, run[r][0], run[r][1], run[r][2]);
+  }
+}
+
+template <bool kBf16>
+__global__ void __launch_bounds__(kThreads, 1)
+    fwd_sm90_kernel(const __grid_constant__ CUtensorMap tmA, const __grid_constant__ CUtensorMap tmB, const Params P) {
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  unsigned char* smem = reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  const uint32_t sbase = smem_u32(smem);
+  const uint32_t bar_full = sbase + kStages * kStageBytes;  // kStages x 8 bytes
+  const uint32_t bar_empty = bar_full + kStages * 8;
+
+  // tile scheduler: grouped raster over (row tile, split)
+  const int64_t L = blockIdx.x;
+  const int64_t per_group = kGroupRows * P.nsplit;
+  const int64_t group = L / per_group;
+  const int64_t first = group * kGroupRows;
+  const int64_t gsize = min(kGroupRows, P.row_tiles - first);
+  const int64_t rem = L - group * per_group;
+  const int64_t rt = first + rem % gsize;
+  const int64_t gs = rem / gsize;
+  const int64_t r0 = rt * kBM;
+  const int64_t c = gs / P.spc, sp = gs % P.spc;
+  const int64_t col0 = c * P.chunk + sp * kSplitCols;
+  const int64_t col_end = min(col0 + kSplitCols, (c + 1) * P.chunk);
+  const int ntiles = int((col_end - col0 + kBN - 1) / kBN);
+  const int KB = P.kblocks;
+
+  const int wg = threadIdx.x / 128;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kStages; ++s) {
+      mbar_init(bar_full + 8 * s, 1);
+      mbar_init(bar_empty + 8 * s, 8);  // one arrival per consumer warp
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+
+  if (wg == 0) {
+    // ---- producer ----
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
+    if (threadIdx.x == 0) {
+      int stage = 0;
+      uint32_t phase = 0;
+      for (int t = 0; t < ntiles; ++t) {
+        const int32_t tc = int32_t(col0 + int64_t(t) * kBN);
+        for (int kb = 0; kb < KB; ++kb) {
+          mbar_wait(bar_empty + 8 * stage, phase ^ 1);
+          mbar_expect_tx(bar_full + 8 * stage, kStageBytes);
+          const uint32_t sa = sbase + stage * kStageBytes;
+          tma_load_2d(sa, &tmA, kb * kBK, int32_t(r0), bar_full + 8 * stage);
+          tma_load_2d(sa + kABytes, &tmB, kb * kBK, tc, bar_full + 8 * stage);
+          if (++stage == kStages) { stage = 0; phase ^= 1; }
+        }
+      }
+    }
+  } else {
+    // ---- consumers ----
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n");
+    const int cw = wg - 1;  // consumer warpgroup: rows cw*64 .. cw*64+63
+    const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
+    const int64_t rowA = r0 + cw * 64 + warp * 16 + lane / 4, rowB = rowA + 8;
+    const float itA = (rowA < P.rows ? P.inv_temp[rowA] : 1.f) * kLog2e;
+    const float itB = (rowB < P.rows ? P.inv_temp[rowB] : 1.f) * kLog2e;
+    float run[2][3] = {{-INFINITY, 0.f, 0.f}, {-INFINITY, 0.f, 0.f}};
+    float d[128];
+#pragma unroll
+    for (int i = 0; i < 128; ++i) d[i] = 0.f;
+    int stage = 0, prev = 0;
+    uint32_t phase = 0;
+    for (int t = 0; t < ntiles; ++t) {
+      for (int kb = 0; kb < KB; ++kb) {
+        mbar_wait(bar_full + 8 * stage, phase);
+        const uint32_t sa = sbase + stage * kStageBytes;
+        const uint64_t da = smem_desc(sa + cw * 64 * 128);
+        const uint64_t db = smem_desc(sa + kABytes);
+        wgmma_fence();
+#pragma unroll
+        for (int k = 0; k < kBK / 16; ++k) wgmma_tile<kBf16>(d, da + 2 * k, db + 2 * k, (kb | k) != 0);
+        wgmma_commit();
+        if (kb > 0) {
+          wgmma_wait<1>();
+          if (lane == 0) mbar_arrive(bar_empty + 8 * prev);
+        }
+        prev = stage;
+        if (++stage == kStages) { stage = 0; phase ^= 1; }
+      }
+      wgmma_wait<0>();
+      if (lane == 0) mbar_arrive(bar_empty + 8 * prev);
+      const int64_t t0 = col0 + int64_t(t) * kBN;
+      if (t0 + kBN <= col_end && P.vocab_start + t0 + kBN <= P.real_vocab)
+        epilogue_tile<kBf16, false>(d, t0, col_end, P, itA, itB, run);
+      else
+        epilogue_tile<kBf16, true>(d, t0, col_end, P, itA, itB, run);
+    }
+    if ((lane & 3) == 0) {
+      if (rowA < P.rows) {
+        float* o = P.part + (rowA * P.nsplit + gs) * kStatWidth;
+        o[0] = run[0][0]; o[1] = run[0][1]; o[2] = run[0][2];
+      }
+      if (rowB < P.rows) {
+        float* o = P.part + (rowB * P.nsplit + gs) * kStatWidth;
+        o[0] = run[1][0]; o[1] = run[1][1]; o[2] = run[1][2];
+      }
+    }
+  }
+}
+
+PFN_cuTensorMapEncodeTiled_v12000 g_encode = nullptr;
+std::once_flag g_encode_once;
+
+bool make_map(CUtensorMap* m, bool bf16, const void* ptr, int64_t inner, int64_t outer, uint32_t box_outer) {
+  const cuuint64_t dims[2] = {cuuint64_t(inner), cuuint64_t(outer)};
+  const cuuint64_t strides[1] = {cuuint64_t(inner) * 2};
+  const cuuint32_t box[2] = {uint32_t(kBK), box_outer};
+  const cuuint32_t es[2] = {1, 1};
+  return g_encode(m, bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 2, const_cast<void*>(ptr),
+                  dims, strides, box, es, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                  CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+}  // namespace
+
+const char* const kSm90Misaligned = "rlk cuda: sm90 operands not 16-byte aligned";
+
+const char* sm90_forward_partials(const Problem& p, const void* hidden, int64_t rows, const void* weight,
+                                  const void* bias, const float* inv_temp, float* part, cudaStream_t stream) {
+  if ((reinterpret_cast<uintptr_t>(hidden) | reinterpret_cast<uintptr_t>(weight)) & 15) return kSm90Misaligned;
+  std::call_once(g_encode_once, [] {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult q;
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &q) == cudaSuccess &&
+        q == cudaDriverEntryPointSuccess)
+      g_encode = reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
+  });
+  if (!g_encode) return "rlk cuda: cuTensorMapEncodeTiled unavailable";
+  const bool bf16 = p.dtype == DType::kBF16;
+  CUtensorMap ma, mb;
+  if (!make_map(&ma, bf16, hidden, p.h, rows, kBM) || !make_map(&mb, bf16, weight, p.h, p.v, kBN))
+    return "rlk cuda: tensor map encoding failed";
+  Params P;
+  P.rows = rows; P.v = p.v; P.chunk = p.chunk; P.spc = splits_per_chunk(p.chunk); P.nsplit = total_splits(p);
+  P.vocab_start = p.vocab_start; P.real_vocab = p.real_vocab; P.row_tiles = (rows + kBM - 1) / kBM;
+  P.kblocks = int32_t(p.h / kBK); P.bias = p.has_bias ? bias : nullptr; P.inv_temp = inv_temp; P.part = part;
+  const auto kern = bf16 ? fwd_sm90_kernel<true> : fwd_sm90_kernel<false>;
+  if (cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes) != cudaSuccess)
+    return "rlk cuda: cudaFuncSetAttribute failed (sm90 forward)";
+  const int64_t blocks = P.row_tiles * P.nsplit;
+  kern<<<unsigned(blocks), kThreads, kSmemBytes, stream>>>(ma, mb, P);
+  if (cudaGetLastError() != cudaSuccess) return "rlk cuda: sm90 forward kernel launch failed";
+  return nullptr;
+}
+
+}  // namespace rlk::cuda::detail
+
+#endif  // RLK_HAVE_SM90
