@@ -194,19 +194,29 @@ __global__ void combine_kernel(CombineArgs a) {
 constexpr int64_t kBwdRows = 4096;  // rows per backward pass
 
 int64_t bwd_piece_cols(const Problem& p) {
-  int64_t P = (int64_t(32) << 20) / (p.h > 0 ? p.h : 1);  // dW fp32 accumulator <= 128 MB
-  P = (P / kBN) * kBN;
+  int64_t P = (int64_t(16) << 20) / (p.h > 0 ? p.h : 1);  // dW fp32 accumulator <= 64 MB
+  P = (P / 256) * 256;                                     // whole 256-column sm90 tiles
   if (P > 8192) P = 8192;
-  if (P < kBN) P = kBN;
-  const int64_t v128 = ((p.v + kBN - 1) / kBN) * kBN;
-  return P < v128 ? P : v128;
+  if (P < 256) P = 256;
+  const int64_t v256 = ((p.v + 255) / 256) * 256;
+  return P < v256 ? P : v256;
+}
+
+bool bwd_uses_sm90_shape(const Problem& p) {
+#if RLK_HAVE_SM90
+  return (p.dtype == DType::kBF16 || p.dtype == DType::kF16) && p.h > 0 && p.h % kSm90HMultiple == 0;
+#else
+  (void)p;
+  return false;
+#endif
 }
 
 struct BwdLayout {
-  int64_t P, R, nt;  // piece columns, rows per pass, column tiles per piece
-  size_t off_dlog, off_dzz, off_db, off_dwacc, total;
+  int64_t P, R, nt;  // piece columns, rows per pass, 128-column tiles per piece
+  size_t off_dlog, off_dzz, off_db, off_dwacc, off_dlogT, off_wt, off_ht, total;
 };
 
+// Depends on the Problem's shapes and dtype only (never on the device).
 BwdLayout bwd_layout(const Problem& p) {
   BwdLayout L{};
   L.P = bwd_piece_cols(p);
@@ -214,14 +224,46 @@ BwdLayout bwd_layout(const Problem& p) {
   if (L.R < kBM) L.R = kBM;
   L.nt = L.P / kBN;
   auto al = [](size_t x) { return (x + 255) & ~size_t(255); };
+  const size_t eb = dtype_bytes(p.dtype);
   size_t o = 0;
-  L.off_dlog = o; o += al(size_t(L.R) * L.P * dtype_bytes(p.dtype));
+  L.off_dlog = o; o += al(size_t(L.R) * L.P * eb);
   L.off_dzz = o;  o += al(size_t(L.R) * L.nt * sizeof(float));
   L.off_db = o;   o += al(size_t(L.R / kBM) * L.P * sizeof(float));
   L.off_dwacc = o;
   if (p.n > L.R) o += al(size_t(L.P) * p.h * sizeof(float));
+  L.off_dlogT = L.off_wt = L.off_ht = o;
+  if (bwd_uses_sm90_shape(p)) {  // transposed copies for the all-K-major wgmma GEMMs
+    L.off_dlogT = o; o += al(size_t(L.P) * L.R * eb);
+    L.off_wt = o;    o += al(size_t(p.h) * L.P * eb);
+    L.off_ht = o;    o += al(size_t(p.h) * L.R * eb);
+  }
   L.total = o;
   return L;
+}
+
+// out[c, r] = in[r, c] for 2-byte elements; in [rows, cols] (ld_in), out ld_out.
+__global__ void transpose16_kernel(const uint16_t* __restrict__ in, int64_t rows, int64_t cols, int64_t ld_in,
+                                   uint16_t* __restrict__ out, int64_t ld_out) {
+  __shared__ uint16_t t[32][34];
+  const int64_t c0 = int64_t(blockIdx.x) * 32, r0 = int64_t(blockIdx.y) * 32;
+  for (int i = threadIdx.y; i < 32; i += 8) {
+    const int64_t r = r0 + i, c = c0 + threadIdx.x;
+    if (r < rows && c < cols) t[i][threadIdx.x] = in[r * ld_in + c];
+  }
+  __syncthreads();
+  for (int i = threadIdx.y; i < 32; i += 8) {
+    const int64_t c = c0 + i, r = r0 + threadIdx.x;
+    if (r < rows && c < cols) out[c * ld_out + r] = t[threadIdx.x][i];
+  }
+}
+
+Status transpose16(const void* in, int64_t rows, int64_t cols, int64_t ld_in, void* out, int64_t ld_out,
+                   cudaStream_t st) {
+  const dim3 grid(unsigned((cols + 31) / 32), unsigned((rows + 31) / 32));
+  transpose16_kernel<<<grid, dim3(32, 8), 0, st>>>(static_cast<const uint16_t*>(in), rows, cols, ld_in,
+                                                   static_cast<uint16_t*>(out), ld_out);
+  RLK_CHECK_LAUNCH("rlk cuda: transpose kernel launch failed");
+  return nullptr;
 }
 
 // Recompute the logits of one (128-row, 128-column) tile of the piece, write dlogit (dtype),
@@ -415,8 +457,12 @@ Status forward_t(const Problem& p, const FwdArgs& a, Workspace ws, cudaStream_t 
   return nullptr;
 }
 
+#if RLK_HAVE_SM90
+Status backward_sm90(const Problem& p, const BwdArgs& a, Workspace ws, cudaStream_t st);
+#endif
+
 template <typename T>
-Status backward_t(const Problem& p, const BwdArgs& a, Workspace ws, cudaStream_t st) {
+Status backward_t(const Problem& p, const BwdArgs& a, Workspace ws, cudaStream_t st, Backend* ran) {
   const BwdLayout L = bwd_layout(p);
   unsigned char* base = static_cast<unsigned char*>(ws.ptr);
   T* dlog = reinterpret_cast<T*>(base + L.off_dlog);
@@ -443,6 +489,13 @@ Status backward_t(const Problem& p, const BwdArgs& a, Workspace ws, cudaStream_t
       return "rlk cuda: memset failed (backward)";
     return nullptr;
   }
+#if RLK_HAVE_SM90
+  if (bwd_uses_sm90_shape(p) && sm90_enabled() && device_cc() == 90 &&
+      ((reinterpret_cast<uintptr_t>(a.hidden) | reinterpret_cast<uintptr_t>(a.weight)) & 15) == 0) {
+    if (ran) *ran = Backend::kCudaSm90;
+    return backward_sm90(p, a, ws, st);
+  }
+#endif
   const int npass = int((p.n + L.R - 1) / L.R);
   for (int64_t p0 = 0; p0 < p.v; p0 += L.P) {
     const int64_t pw = p.v - p0 < L.P ? p.v - p0 : L.P;
@@ -479,6 +532,68 @@ Status backward_t(const Problem& p, const BwdArgs& a, Workspace ws, cudaStream_t
   }
   return nullptr;
 }
+
+#if RLK_HAVE_SM90
+// The Hopper backward: the same pieces and passes as backward_t, each of the three GEMMs on the
+// wgmma kernel with both operands K-major (W and H pieces are transposed into the workspace, and
+// the dlogit epilogue writes dlogit in both layouts).
+Status backward_sm90(const Problem& p, const BwdArgs& a, Workspace ws, cudaStream_t st) {
+  const BwdLayout L = bwd_layout(p);
+  unsigned char* base = static_cast<unsigned char*>(ws.ptr);
+  void* dlog = base + L.off_dlog;
+  void* dlogT = base + L.off_dlogT;
+  void* wt = base + L.off_wt;
+  void* ht = base + L.off_ht;
+  float* dzz_part = reinterpret_cast<float*>(base + L.off_dzz);
+  float* db_part = p.has_bias ? reinterpret_cast<float*>(base + L.off_db) : nullptr;
+  float* dwacc = reinterpret_cast<float*>(base + L.off_dwacc);
+  const size_t eb = dtype_bytes(p.dtype);
+  const unsigned char* H = static_cast<const unsigned char*>(a.hidden);
+  const unsigned char* W = static_cast<const unsigned char*>(a.weight);
+  const unsigned char* B = p.has_bias ? static_cast<const unsigned char*>(a.bias) : nullptr;
+  unsigned char* dW = static_cast<unsigned char*>(a.dweight);
+  const float* ent = p.with_entropy ? a.entropy : nullptr;
+  const float* e = p.with_entropy ? a.e : nullptr;
+  const int npass = int((p.n + L.R - 1) / L.R);
+  if (npass == 1)
+    if (Status s = transpose16(H, p.n, p.h, p.h, ht, L.R, st)) return s;
+  for (int64_t p0 = 0; p0 < p.v; p0 += L.P) {
+    const int64_t pw = p.v - p0 < L.P ? p.v - p0 : L.P;
+    const int64_t ntiles = (pw + kBN - 1) / kBN;
+    if (Status s = transpose16(W + p0 * p.h * eb, pw, p.h, p.h, wt, L.P, st)) return s;
+    for (int pass = 0; pass < npass; ++pass) {
+      const int64_t r0 = int64_t(pass) * L.R;
+      const int64_t rn = p.n - r0 < L.R ? p.n - r0 : L.R;
+      const unsigned nrt = unsigned((rn + kBM - 1) / kBM);
+      if (npass > 1)
+        if (Status s = transpose16(H + r0 * p.h * eb, rn, p.h, p.h, ht, L.R, st)) return s;
+      Sm90DlogitArgs d{};
+      d.hidden = H + r0 * p.h * eb; d.weight = W + p0 * p.h * eb; d.bias = B ? B + p0 * eb : nullptr;
+      d.targets = a.targets + r0; d.inv_temp = a.inv_temp + r0; d.lse = a.lse + r0;
+      d.ent = ent ? ent + r0 : nullptr; d.g = a.g + r0; d.e = e ? e + r0 : nullptr;
+      d.rn = rn; d.pw = pw; d.p0 = p0; d.P = L.P; d.R = L.R;
+      d.dlog = dlog; d.dlogT = dlogT; d.dzz_part = dzz_part; d.db_part = db_part;
+      if (Status s = sm90_dlogit(p, d, st)) return s;
+      if (a.dzz) {
+        dzz_reduce_kernel<<<unsigned((rn + 255) / 256), 256, 0, st>>>(dzz_part, a.dzz + r0, rn, L.nt, ntiles);
+        RLK_CHECK_LAUNCH("rlk cuda: dzz kernel launch failed");
+      }
+      if (p.has_bias && a.dbias) {
+        db_reduce_kernel<<<unsigned((pw + 255) / 256), 256, 0, st>>>(db_part, a.dbias + p0, pw, L.P, nrt);
+        RLK_CHECK_LAUNCH("rlk cuda: db kernel launch failed");
+      }
+      // dH[r0:r0+rn] += dlogit[rn, pw] . W[p0:p0+pw]   (B = W^T piece, K-major)
+      if (Status s = sm90_gemm_out(p, dlog, L.P, wt, L.P, rn, p.h, pw, a.dhidden + r0 * p.h, nullptr, p.h, 1, st))
+        return s;
+      // dW[p0:p0+pw] (+)= dlogit^T . H[r0:r0+rn]       (A = dlogit^T, B = H^T pass, K-major)
+      const int mode = npass == 1 ? 2 : (pass == 0 ? 0 : (pass == npass - 1 ? 3 : 1));
+      if (Status s = sm90_gemm_out(p, dlogT, L.R, ht, L.R, pw, p.h, rn, dwacc, dW + p0 * p.h * eb, p.h, mode, st))
+        return s;
+    }
+  }
+  return nullptr;
+}
+#endif
 
 }  // namespace
 }  // namespace detail
@@ -552,9 +667,9 @@ Status backward(const Problem& p, const BwdArgs& a, Workspace ws, cudaStream_t s
   if (ws.bytes < backward_workspace_bytes(p) || (backward_workspace_bytes(p) && !ws.ptr))
     return "rlk cuda: backward workspace too small";
   switch (p.dtype) {
-    case DType::kF32: return backward_t<float>(p, a, ws, stream);
-    case DType::kF16: return backward_t<__half>(p, a, ws, stream);
-    case DType::kBF16: return backward_t<__nv_bfloat16>(p, a, ws, stream);
+    case DType::kF32: return backward_t<float>(p, a, ws, stream, ran);
+    case DType::kF16: return backward_t<__half>(p, a, ws, stream, ran);
+    case DType::kBF16: return backward_t<__nv_bfloat16>(p, a, ws, stream, ran);
   }
   return "rlk cuda: bad dtype";
 }

@@ -116,7 +116,7 @@ struct Inputs {
 struct Outputs {
   std::vector<float> stats, tlogit, logp, lse, ent, dh, db, dzz;
   std::vector<uint16_t> dw16; std::vector<float> dw32;
-  Backend fwd_be = Backend::kCount;
+  Backend fwd_be = Backend::kCount, bwd_be = Backend::kCount;
 };
 
 static Outputs run_once(const Inputs& in, bool bwd, int64_t kglobal_override = 0) {
@@ -149,8 +149,7 @@ static Outputs run_once(const Inputs& in, bool bwd, int64_t kglobal_override = 0
   ba.g = in.g; ba.e = p.with_entropy ? in.e : nullptr;
   ba.dhidden = dh.as<float>(); ba.dweight = dw.p; ba.dbias = p.has_bias ? db.as<float>() : nullptr;
   ba.dzz = dzz.as<float>();
-  Backend bb;
-  CKS(cuda::backward(p, ba, {bws.p, bws.bytes}, 0, &bb));
+  CKS(cuda::backward(p, ba, {bws.p, bws.bytes}, 0, &o.bwd_be));
   CK(cudaDeviceSynchronize());
   o.dh = dh.get<float>(size_t(p.n) * p.h);
   if (p.dtype == DType::kF32) o.dw32 = dw.get<float>(size_t(p.v) * p.h);
@@ -279,7 +278,7 @@ static void run_case(const Case& c, uint64_t seed) {
   snprintf(nm, sizeof nm, "%-4s n=%-5lld h=%-4lld v=%-6lld%s%s pad=%lld", dname(c.dt), (long long)c.n, (long long)c.h,
            (long long)c.v, c.bias ? " bias" : "", c.entropy ? " ent" : "", (long long)c.pad);
   row.name = nm;
-  row.be = backend_name_local(o.fwd_be);
+  row.be = std::string(backend_name_local(o.fwd_be)) + "/" + (c.bwd ? backend_name_local(o.bwd_be) : "-");
   row.e_logp = relerr(d_logp, r_logp);
   row.e_ent = c.entropy ? relerr(d_ent, r_ent) : 0.0;
   row.e_dh = c.bwd ? relerr(d_dh, r_dh) : 0.0;
@@ -463,11 +462,11 @@ int main(int argc, char** argv) {
   }
   uint64_t seed = 1000;
   for (const Case& c : cases) run_case(c, seed += 17);
-  printf("\n%-52s %-8s %9s %9s %9s %9s %9s %9s %5s %5s %5s %5s  %s\n", "case", "fwd", "logp", "entropy", "dH", "dW", "db", "dzz",
+  printf("\n%-52s %-8s %9s %9s %9s %9s %9s %9s %5s %5s %5s %5s  %s\n", "case", "fwd/bwd", "logp", "entropy", "dH", "dW", "db", "dzz",
          "wrote", "det", "batch", "tp", "result");
   bool all = true;
   for (const Row& r : g_rows) {
-    printf("%-52s %-8s %9.2e %9.2e %9.2e %9.2e %9.2e %9.2e %5s %5s %5s %5s  %s\n", r.name.c_str(), r.be.c_str(), r.e_logp, r.e_ent,
+    printf("%-52s %-17s %9.2e %9.2e %9.2e %9.2e %9.2e %9.2e %5s %5s %5s %5s  %s\n", r.name.c_str(), r.be.c_str(), r.e_logp, r.e_ent,
            r.e_dh, r.e_dw, r.e_db, r.e_dzz, r.written ? "ok" : "NO", r.det ? "ok" : "NO", r.batch ? "ok" : "NO", r.tp ? "ok" : "NO",
            r.pass ? "PASS" : "FAIL");
     all &= r.pass;

@@ -1,4 +1,5 @@
-// The Hopper (sm_90a) forward of linear_logp for bf16/fp16: TMA + wgmma + streaming-LSE epilogue.
+// The Hopper (sm_90a) kernels of linear_logp for bf16/fp16: TMA + wgmma, warp-specialised.
+// The forward (streaming-LSE epilogue) and the three backward GEMMs share one mainloop.
 //
 // Compiled only with -gencode=arch=compute_90a,code=sm_90a and only when RLK_HAVE_SM90 is set.
 //
@@ -28,6 +29,7 @@
 
 #include <cuda.h>
 #include <cudaTypedefs.h>
+#include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
@@ -109,20 +111,53 @@ template <bool kBf16> __device__ __forceinline__ float load_bias(const void* b, 
   else { __half_raw hr; hr.x = raw; return __half2float(__half(hr)); }
 }
 
+enum Kind : int { kFwdStats = 0, kDlogit = 1, kOut = 2 };
+
 struct Params {
-  int64_t rows, v, chunk, spc, nsplit, vocab_start, real_vocab, row_tiles;
+  // geometry: A is [M, K] (rows), B is [N, K]; both K-major bf16/fp16
+  int64_t rows;       // M: valid rows of A
+  int64_t ncols;      // N: valid columns (kOut); piece width pw (kDlogit)
+  int64_t row_tiles, col_tiles;
   int32_t kblocks;
-  const void* bias;
+  // forward split walk
+  int64_t chunk, spc, nsplit;
+  int64_t vocab_start, real_vocab;
+  const void* bias;  // forward: bias of local column 0; dlogit: bias of the piece's column 0
   const float* inv_temp;
   float* part;
+  // dlogit
+  const int32_t* targets;
+  const float *lse, *ent, *g, *e;
+  int64_t p0;  // local vocab column of the piece start
+  void* dlog;  int64_t ldd;   // [rows, P]
+  void* dlogT; int64_t ldt;   // [P, R]
+  float* dzz_part; int64_t nt;
+  float* db_part;
+  int64_t ignore_index;
+  // out
+  float* outf; void* outT; int64_t ldo; int mode;
 };
+
+template <bool kBf16> __device__ __forceinline__ uint32_t pack2(float x, float y) {
+  if constexpr (kBf16) {
+    __nv_bfloat162 v = __floats2bfloat162_rn(x, y);
+    return *reinterpret_cast<uint32_t*>(&v);
+  } else {
+    __half2 v = __floats2half2_rn(x, y);
+    return *reinterpret_cast<uint32_t*>(&v);
+  }
+}
+template <bool kBf16> __device__ __forceinline__ uint16_t pack1(float x) {
+  if constexpr (kBf16) { __nv_bfloat16 v = __float2bfloat16_rn(x); return *reinterpret_cast<uint16_t*>(&v); }
+  else { __half v = __float2half_rn(x); return *reinterpret_cast<uint16_t*>(&v); }
+}
 
 // ---- epilogue: fold one 64x256 accumulator tile into the two rows' running statistics ----------
 // Lane l of warp w (in its warpgroup) holds rows w*16 + l/4 (values d[4j], d[4j+1]) and +8
 // (d[4j+2], d[4j+3]) at columns 8j + 2(l%4) + {0,1}, j = 0..31.
 template <bool kBf16, bool kMask>
-__device__ __forceinline__ void epilogue_tile(float* d, int64_t t0, int64_t col_end, const Params& P, float itA,
-                                              float itB, float (&run)[2][3]) {
+__device__ __forceinline__ void epilogue_stats(float* d, int64_t t0, int64_t col_end, const Params& P, float itA,
+                                               float itB, float (&run)[2][3]) {
   const int cq = 2 * (threadIdx.x % 4);
   float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
@@ -168,28 +203,143 @@ __device__ __forceinline__ void epilogue_tile(float* d, int64_t t0, int64_t col_
   }
 }
 
+// Backward: dlogit of one 128x256 tile (this warpgroup's 64 rows), stored twice (row-major and
+// transposed, both in dtype) for the two gradient GEMMs, plus dzz and db partials.
 template <bool kBf16>
+__device__ __forceinline__ void epilogue_dlogit(float* d, int64_t r0, int64_t t0, int64_t rt, const Params& P,
+                                                int64_t rowA, unsigned char* smem) {
+  const int lane = threadIdx.x % 32, cq = 2 * (lane % 4);
+  float dzz[2] = {0.f, 0.f};
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int64_t row = rowA + 8 * r;
+    bool valid = false;
+    float it = 1.f, l = 0.f, en = 0.f, gg = 0.f, ee = 0.f;
+    int64_t tloc = -1;
+    if (row < P.rows) {
+      const int64_t t = P.targets[row];
+      valid = classify_target(t, P.real_vocab, P.ignore_index) == TargetKind::kValid;
+      if (valid) {
+        it = P.inv_temp[row]; l = P.lse[row]; gg = P.g[row];
+        if (P.e != nullptr) { ee = P.e[row]; en = P.ent[row]; }
+        tloc = t - P.vocab_start - P.p0;
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < 32; ++j) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int64_t col = t0 + 8 * j + cq + e;  // within the piece
+        float dl = 0.f;
+        if (valid && col < P.ncols && P.vocab_start + P.p0 + col < P.real_vocab) {
+          const float b = P.bias != nullptr ? load_bias<kBf16>(P.bias, col) : 0.f;
+          const float z = (d[4 * j + 2 * r + e] + b) * it;
+          const float dz = dz_of(z, col == tloc, l, en, gg, ee);
+          dzz[r] = fmaf(dz, z, dzz[r]);
+          dl = dz * it;
+        }
+        d[4 * j + 2 * r + e] = dl;
+      }
+    }
+    if (row < P.rows) {
+      uint32_t* o = reinterpret_cast<uint32_t*>(static_cast<uint16_t*>(P.dlog) + row * P.ldd + t0 + cq);
+      uint16_t* ot = static_cast<uint16_t*>(P.dlogT) + (t0 + cq) * P.ldt + row;
+#pragma unroll
+      for (int j = 0; j < 32; ++j) {
+        o[4 * j] = pack2<kBf16>(d[4 * j + 2 * r], d[4 * j + 2 * r + 1]);
+        ot[(8 * j) * P.ldt] = pack1<kBf16>(d[4 * j + 2 * r]);
+        ot[(8 * j + 1) * P.ldt] = pack1<kBf16>(d[4 * j + 2 * r + 1]);
+      }
+    }
+    dzz[r] += __shfl_xor_sync(0xffffffffu, dzz[r], 1);
+    dzz[r] += __shfl_xor_sync(0xffffffffu, dzz[r], 2);
+    if ((lane & 3) == 0 && row < P.rows) {
+      // partial slots are per 128 columns; this tile covers two (its sum, then an exact 0)
+      P.dzz_part[row * P.nt + t0 / 128] = dzz[r];
+      P.dzz_part[row * P.nt + t0 / 128 + 1] = 0.f;
+    }
+  }
+  if (P.db_part != nullptr) {
+    // column sums over the CTA's 128 rows in a fixed tree: rows A+B in-thread, lanes with equal
+    // lane%4 (xor 4, 8, 16), then the 8 consumer warps in order through shared memory.
+    float* red = reinterpret_cast<float*>(smem);  // [8][256]; the pipeline buffers are idle now
+    const int cwarp = threadIdx.x / 32 - 4;      // 0..7
+#pragma unroll
+    for (int j = 0; j < 32; ++j) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        float x = d[4 * j + e] + d[4 * j + 2 + e];
+        x += __shfl_xor_sync(0xffffffffu, x, 4);
+        x += __shfl_xor_sync(0xffffffffu, x, 8);
+        x += __shfl_xor_sync(0xffffffffu, x, 16);
+        if (lane < 4) red[cwarp * 256 + 8 * j + cq + e] = x;
+      }
+    }
+    asm volatile("bar.sync 1, 256;\n" ::: "memory");
+    const int i = threadIdx.x - 128;
+    float x = 0.f;
+#pragma unroll
+    for (int w = 0; w < 8; ++w) x += red[w * 256 + i];
+    if (t0 + i < P.ldd) P.db_part[rt * P.ldd + t0 + i] = x;
+  }
+  (void)r0;
+}
+
+// Backward gradient GEMMs: out (fp32 or dtype) from the accumulator, per Params::mode
+//   0: outf = acc   1: outf += acc   2: outT = T(acc)   3: outT = T(outf + acc)
+template <bool kBf16>
+__device__ __forceinline__ void epilogue_out(const float* d, int64_t t0, const Params& P, int64_t rowA) {
+  const int cq = 2 * (threadIdx.x % 4);
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int64_t row = rowA + 8 * r;
+    if (row >= P.rows) continue;
+#pragma unroll
+    for (int j = 0; j < 32; ++j) {
+      const int64_t col = t0 + 8 * j + cq;
+      if (col >= P.ncols) continue;  // ncols is even
+      const int64_t o = row * P.ldo + col;
+      float2 x = make_float2(d[4 * j + 2 * r], d[4 * j + 2 * r + 1]);
+      if (P.mode == 1 || P.mode == 3) {
+        const float2 y = *reinterpret_cast<const float2*>(P.outf + o);
+        x.x += y.x; x.y += y.y;
+      }
+      if (P.mode <= 1) *reinterpret_cast<float2*>(P.outf + o) = x;
+      else *reinterpret_cast<uint32_t*>(static_cast<uint16_t*>(P.outT) + o) = pack2<kBf16>(x.x, x.y);
+    }
+  }
+}
+
+template <bool kBf16, int kKind>
 __global__ void __launch_bounds__(kThreads, 1)
-    fwd_sm90_kernel(const __grid_constant__ CUtensorMap tmA, const __grid_constant__ CUtensorMap tmB, const Params P) {
+    sm90_kernel(const __grid_constant__ CUtensorMap tmA, const __grid_constant__ CUtensorMap tmB, const Params P) {
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   unsigned char* smem = reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   const uint32_t sbase = smem_u32(smem);
   const uint32_t bar_full = sbase + kStages * kStageBytes;  // kStages x 8 bytes
   const uint32_t bar_empty = bar_full + kStages * 8;
 
-  // tile scheduler: grouped raster over (row tile, split)
+  // ---- tile scheduler: grouped raster over (row tile, column unit) ----
+  // column unit = a split (forward: walks up to kSplitCols/kBN tiles) or one 256-column tile.
+  const int64_t ncu = kKind == kFwdStats ? P.nsplit : P.col_tiles;
   const int64_t L = blockIdx.x;
-  const int64_t per_group = kGroupRows * P.nsplit;
+  const int64_t per_group = kGroupRows * ncu;
   const int64_t group = L / per_group;
   const int64_t first = group * kGroupRows;
   const int64_t gsize = min(kGroupRows, P.row_tiles - first);
   const int64_t rem = L - group * per_group;
   const int64_t rt = first + rem % gsize;
-  const int64_t gs = rem / gsize;
+  const int64_t cu = rem / gsize;
   const int64_t r0 = rt * kBM;
-  const int64_t c = gs / P.spc, sp = gs % P.spc;
-  const int64_t col0 = c * P.chunk + sp * kSplitCols;
-  const int64_t col_end = min(col0 + kSplitCols, (c + 1) * P.chunk);
+  int64_t col0, col_end;
+  if (kKind == kFwdStats) {
+    const int64_t c = cu / P.spc, sp = cu % P.spc;
+    col0 = c * P.chunk + sp * kSplitCols;
+    col_end = min(col0 + kSplitCols, (c + 1) * P.chunk);
+  } else {
+    col0 = cu * kBN;
+    col_end = col0 + kBN;
+  }
   const int ntiles = int((col_end - col0 + kBN - 1) / kBN);
   const int KB = P.kblocks;
 
@@ -227,8 +377,11 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int cw = wg - 1;  // consumer warpgroup: rows cw*64 .. cw*64+63
     const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
     const int64_t rowA = r0 + cw * 64 + warp * 16 + lane / 4, rowB = rowA + 8;
-    const float itA = (rowA < P.rows ? P.inv_temp[rowA] : 1.f) * kLog2e;
-    const float itB = (rowB < P.rows ? P.inv_temp[rowB] : 1.f) * kLog2e;
+    float itA = 1.f, itB = 1.f;
+    if (kKind == kFwdStats) {
+      itA = (rowA < P.rows ? P.inv_temp[rowA] : 1.f) * kLog2e;
+      itB = (rowB < P.rows ? P.inv_temp[rowB] : 1.f) * kLog2e;
+    }
     float run[2][3] = {{-INFINITY, 0.f, 0.f}, {-INFINITY, 0.f, 0.f}};
     float d[128];
 #pragma unroll
@@ -255,19 +408,27 @@ __global__ void __launch_bounds__(kThreads, 1)
       wgmma_wait<0>();
       if (lane == 0) mbar_arrive(bar_empty + 8 * prev);
       const int64_t t0 = col0 + int64_t(t) * kBN;
-      if (t0 + kBN <= col_end && P.vocab_start + t0 + kBN <= P.real_vocab)
-        epilogue_tile<kBf16, false>(d, t0, col_end, P, itA, itB, run);
-      else
-        epilogue_tile<kBf16, true>(d, t0, col_end, P, itA, itB, run);
-    }
-    if ((lane & 3) == 0) {
-      if (rowA < P.rows) {
-        float* o = P.part + (rowA * P.nsplit + gs) * kStatWidth;
-        o[0] = run[0][0]; o[1] = run[0][1]; o[2] = run[0][2];
+      if constexpr (kKind == kFwdStats) {
+        if (t0 + kBN <= col_end && P.vocab_start + t0 + kBN <= P.real_vocab)
+          epilogue_stats<kBf16, false>(d, t0, col_end, P, itA, itB, run);
+        else
+          epilogue_stats<kBf16, true>(d, t0, col_end, P, itA, itB, run);
+      } else if constexpr (kKind == kDlogit) {
+        epilogue_dlogit<kBf16>(d, r0, t0, rt, P, rowA, smem);
+      } else {
+        epilogue_out<kBf16>(d, t0, P, rowA);
       }
-      if (rowB < P.rows) {
-        float* o = P.part + (rowB * P.nsplit + gs) * kStatWidth;
-        o[0] = run[1][0]; o[1] = run[1][1]; o[2] = run[1][2];
+    }
+    if constexpr (kKind == kFwdStats) {
+      if ((lane & 3) == 0) {
+        if (rowA < P.rows) {
+          float* o = P.part + (rowA * P.nsplit + cu) * kStatWidth;
+          o[0] = run[0][0]; o[1] = run[0][1]; o[2] = run[0][2];
+        }
+        if (rowB < P.rows) {
+          float* o = P.part + (rowB * P.nsplit + cu) * kStatWidth;
+          o[0] = run[1][0]; o[1] = run[1][1]; o[2] = run[1][2];
+        }
       }
     }
   }
@@ -276,23 +437,12 @@ __global__ void __launch_bounds__(kThreads, 1)
 PFN_cuTensorMapEncodeTiled_v12000 g_encode = nullptr;
 std::once_flag g_encode_once;
 
-bool make_map(CUtensorMap* m, bool bf16, const void* ptr, int64_t inner, int64_t outer, uint32_t box_outer) {
-  const cuuint64_t dims[2] = {cuuint64_t(inner), cuuint64_t(outer)};
-  const cuuint64_t strides[1] = {cuuint64_t(inner) * 2};
-  const cuuint32_t box[2] = {uint32_t(kBK), box_outer};
-  const cuuint32_t es[2] = {1, 1};
-  return g_encode(m, bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 2, const_cast<void*>(ptr),
-                  dims, strides, box, es, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                  CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
-}
-
 }  // namespace
 
 const char* const kSm90Misaligned = "rlk cuda: sm90 operands not 16-byte aligned";
 
-const char* sm90_forward_partials(const Problem& p, const void* hidden, int64_t rows, const void* weight,
-                                  const void* bias, const float* inv_temp, float* part, cudaStream_t stream) {
-  if ((reinterpret_cast<uintptr_t>(hidden) | reinterpret_cast<uintptr_t>(weight)) & 15) return kSm90Misaligned;
+namespace {
+const char* ensure_encode() {
   std::call_once(g_encode_once, [] {
     void* fn = nullptr;
     cudaDriverEntryPointQueryResult q;
@@ -300,22 +450,75 @@ const char* sm90_forward_partials(const Problem& p, const void* hidden, int64_t 
         q == cudaDriverEntryPointSuccess)
       g_encode = reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
   });
-  if (!g_encode) return "rlk cuda: cuTensorMapEncodeTiled unavailable";
+  return g_encode ? nullptr : "rlk cuda: cuTensorMapEncodeTiled unavailable";
+}
+
+// A K-major operand: `outer` rows of `inner` (K) elements, row stride ld elements.
+bool make_map(CUtensorMap* m, bool bf16, const void* ptr, int64_t inner, int64_t outer, int64_t ld, uint32_t box_outer) {
+  const cuuint64_t dims[2] = {cuuint64_t(inner), cuuint64_t(outer)};
+  const cuuint64_t strides[1] = {cuuint64_t(ld) * 2};
+  const cuuint32_t box[2] = {uint32_t(kBK), box_outer};
+  const cuuint32_t es[2] = {1, 1};
+  return g_encode(m, bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 2, const_cast<void*>(ptr),
+                  dims, strides, box, es, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                  CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+template <int kKind>
+const char* launch(bool bf16, const CUtensorMap& ma, const CUtensorMap& mb, const Params& P, int64_t blocks,
+                   cudaStream_t stream) {
+  const auto kern = bf16 ? sm90_kernel<true, kKind> : sm90_kernel<false, kKind>;
+  if (cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes) != cudaSuccess)
+    return "rlk cuda: cudaFuncSetAttribute failed (sm90)";
+  kern<<<unsigned(blocks), kThreads, kSmemBytes, stream>>>(ma, mb, P);
+  if (cudaGetLastError() != cudaSuccess) return "rlk cuda: sm90 kernel launch failed";
+  return nullptr;
+}
+}  // namespace
+
+const char* sm90_forward_partials(const Problem& p, const void* hidden, int64_t rows, const void* weight,
+                                  const void* bias, const float* inv_temp, float* part, cudaStream_t stream) {
+  if ((reinterpret_cast<uintptr_t>(hidden) | reinterpret_cast<uintptr_t>(weight)) & 15) return kSm90Misaligned;
+  if (const char* e = ensure_encode()) return e;
   const bool bf16 = p.dtype == DType::kBF16;
   CUtensorMap ma, mb;
-  if (!make_map(&ma, bf16, hidden, p.h, rows, kBM) || !make_map(&mb, bf16, weight, p.h, p.v, kBN))
+  if (!make_map(&ma, bf16, hidden, p.h, rows, p.h, kBM) || !make_map(&mb, bf16, weight, p.h, p.v, p.h, kBN))
     return "rlk cuda: tensor map encoding failed";
-  Params P;
-  P.rows = rows; P.v = p.v; P.chunk = p.chunk; P.spc = splits_per_chunk(p.chunk); P.nsplit = total_splits(p);
+  Params P{};
+  P.rows = rows; P.chunk = p.chunk; P.spc = splits_per_chunk(p.chunk); P.nsplit = total_splits(p);
   P.vocab_start = p.vocab_start; P.real_vocab = p.real_vocab; P.row_tiles = (rows + kBM - 1) / kBM;
   P.kblocks = int32_t(p.h / kBK); P.bias = p.has_bias ? bias : nullptr; P.inv_temp = inv_temp; P.part = part;
-  const auto kern = bf16 ? fwd_sm90_kernel<true> : fwd_sm90_kernel<false>;
-  if (cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes) != cudaSuccess)
-    return "rlk cuda: cudaFuncSetAttribute failed (sm90 forward)";
-  const int64_t blocks = P.row_tiles * P.nsplit;
-  kern<<<unsigned(blocks), kThreads, kSmemBytes, stream>>>(ma, mb, P);
-  if (cudaGetLastError() != cudaSuccess) return "rlk cuda: sm90 forward kernel launch failed";
-  return nullptr;
+  return launch<kFwdStats>(bf16, ma, mb, P, P.row_tiles * P.nsplit, stream);
+}
+
+const char* sm90_dlogit(const Problem& p, const Sm90DlogitArgs& a, cudaStream_t stream) {
+  if (const char* e = ensure_encode()) return e;
+  const bool bf16 = p.dtype == DType::kBF16;
+  CUtensorMap ma, mb;
+  if (!make_map(&ma, bf16, a.hidden, p.h, a.rn, p.h, kBM) || !make_map(&mb, bf16, a.weight, p.h, a.pw, p.h, kBN))
+    return "rlk cuda: tensor map encoding failed";
+  Params P{};
+  P.rows = a.rn; P.ncols = a.pw; P.row_tiles = (a.rn + kBM - 1) / kBM; P.col_tiles = (a.pw + kBN - 1) / kBN;
+  P.kblocks = int32_t(p.h / kBK);
+  P.vocab_start = p.vocab_start; P.real_vocab = p.real_vocab; P.bias = a.bias; P.inv_temp = a.inv_temp;
+  P.targets = a.targets; P.lse = a.lse; P.ent = a.ent; P.g = a.g; P.e = a.e; P.p0 = a.p0;
+  P.dlog = a.dlog; P.ldd = a.P; P.dlogT = a.dlogT; P.ldt = a.R; P.dzz_part = a.dzz_part; P.nt = a.P / 128;
+  P.db_part = a.db_part; P.ignore_index = p.ignore_index;
+  return launch<kDlogit>(bf16, ma, mb, P, P.row_tiles * P.col_tiles, stream);
+}
+
+const char* sm90_gemm_out(const Problem& p, const void* A, int64_t lda, const void* B, int64_t ldb, int64_t M,
+                          int64_t N, int64_t K, float* outf, void* outT, int64_t ldo, int mode, cudaStream_t stream) {
+  if (const char* e = ensure_encode()) return e;
+  const bool bf16 = p.dtype == DType::kBF16;
+  CUtensorMap ma, mb;
+  if (!make_map(&ma, bf16, A, K, M, lda, kBM) || !make_map(&mb, bf16, B, K, N, ldb, kBN))
+    return "rlk cuda: tensor map encoding failed";
+  Params P{};
+  P.rows = M; P.ncols = N; P.row_tiles = (M + kBM - 1) / kBM; P.col_tiles = (N + kBN - 1) / kBN;
+  P.kblocks = int32_t((K + kBK - 1) / kBK);
+  P.outf = outf; P.outT = outT; P.ldo = ldo; P.mode = mode;
+  return launch<kOut>(bf16, ma, mb, P, P.row_tiles * P.col_tiles, stream);
 }
 
 }  // namespace rlk::cuda::detail
