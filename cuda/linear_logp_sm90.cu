@@ -264,6 +264,8 @@ __device__ __forceinline__ void epilogue_dlogit(float* d, int64_t r0, int64_t t0
     // lane%4 (xor 4, 8, 16), then the 8 consumer warps in order through shared memory.
     float* red = reinterpret_cast<float*>(smem);  // [8][256]; the pipeline buffers are idle now
     const int cwarp = threadIdx.x / 32 - 4;      // 0..7
+    // the other consumer warpgroup may still be reading its last stage with wgmma
+    asm volatile("bar.sync 1, 256;\n" ::: "memory");
 #pragma unroll
     for (int j = 0; j < 32; ++j) {
 #pragma unroll
