@@ -35,19 +35,24 @@ def rows(a: Args, with_entropy: bool):
     z = jnp.where(pad, -jnp.inf, z)
     reduce_max = (lambda x: lax.pmax(x, a.axis_name)) if a.axis_name else (lambda x: x)
     reduce_sum = (lambda x: lax.psum(x, a.axis_name)) if a.axis_name else (lambda x: x)
+    # Everything relative to the row max m: log s and sum e^(z-m) (z-m) keep full fp32 accuracy
+    # where lse - sum p z would cancel (peaked rows), as the kernels' statistics do.
     m = lax.stop_gradient(reduce_max(jnp.max(z, axis=-1)))
-    lse = m + jnp.log(reduce_sum(jnp.sum(jnp.exp(z - m[:, None]), axis=-1)))
+    zm = z - m[:, None]
+    ez = jnp.exp(zm)
+    s = reduce_sum(jnp.sum(ez, axis=-1))
     t = a.targets
     local = (t >= a.vocab_start) & (t < a.vocab_start + a.weight.shape[0])
     idx = jnp.clip(t - a.vocab_start, 0, a.weight.shape[0] - 1)
-    zt = reduce_sum(jnp.where(local, jnp.take_along_axis(z, idx[:, None], axis=-1)[:, 0], 0.0))
+    ztm = reduce_sum(jnp.where(local, jnp.take_along_axis(zm, idx[:, None], axis=-1)[:, 0], 0.0))
     ignored = t == a.ignore_index
     invalid = ~ignored & ((t < 0) | (t >= a.real_vocab))
     keep = ~(ignored | invalid)
-    logp = jnp.where(keep, zt - jnp.where(keep, lse, 0.0), jnp.where(invalid, jnp.nan, 0.0))
+    log_s = jnp.log(jnp.where(keep, s, 1.0))
+    logp = jnp.where(keep, jnp.minimum(ztm - log_s, 0.0), jnp.where(invalid, jnp.nan, 0.0))
     if not with_entropy:
         return logp, jnp.zeros_like(logp)
-    p = jnp.exp(z - lse[:, None])
-    z_safe = jnp.where(pad, 0.0, z)  # p z is 0 on padding; keep -inf out of the gradient
-    ent = jnp.where(keep, lse - reduce_sum(jnp.sum(p * z_safe, axis=-1)), jnp.where(invalid, jnp.nan, 0.0))
+    zm_safe = jnp.where(pad, 0.0, zm)  # e^(z-m) (z-m) is 0 on padding; keep -inf out of the gradient
+    acc = reduce_sum(jnp.sum(ez * zm_safe, axis=-1))
+    ent = jnp.where(keep, log_s - acc / jnp.where(keep, s, 1.0), jnp.where(invalid, jnp.nan, 0.0))
     return logp, ent

@@ -1,0 +1,42 @@
+"""A seeded randomized sweep over shapes, dtypes, options and modes against the float64 oracle."""
+import numpy as np
+import pytest
+
+import rlk_xla
+import oracle
+from helpers import DTYPES, make_inputs, value_and_grads
+
+SEEDS = range(300)
+
+
+def draw(seed):
+    r = np.random.default_rng(10_000 + seed)
+    v = int(r.choice([7, 64, 100, 129, 333, 512, 1000, 1111]))
+    return dict(
+        n=int(r.choice([1, 2, 3, 5, 17, 64, 65, 130])), h=int(r.choice([1, 8, 16, 33, 64, 96])), v=v,
+        dtype=str(r.choice(list(DTYPES))), bias=bool(r.random() < 0.5),
+        temp=str(r.choice(["scalar", "array", "none"])), ignore_frac=float(r.choice([0.0, 0.0, 0.3])),
+        real_vocab=int(r.integers(1, v + 1)) if r.random() < 0.3 else None, entropy=bool(r.random() < 0.6),
+        mode=str(r.choice(["auto", "strict", "audit", "off"])), scale=float(r.choice([0.5, 3.0, 12.0])))
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_random_case(seed):
+    c = draw(seed)
+    d, kw, g, e = make_inputs(seed, c["n"], c["h"], c["v"], c["dtype"], bias=c["bias"],
+                              temp=None if c["temp"] == "none" else c["temp"], ignore_frac=c["ignore_frac"],
+                              real_vocab=c["real_vocab"], scale=c["scale"])
+    fn = lambda *a, **k: rlk_xla.linear_logp(*a, mode=c["mode"], **k)
+    logp, ent, grads = value_and_grads(fn, d, kw, g, e, with_entropy=c["entropy"])
+    ref = oracle.linear_logp(d["hidden"], d["weight"], d["targets"], bias=kw.get("bias"),
+                             temperature=kw.get("temperature", 1.0), real_vocab=c["real_vocab"], g=g,
+                             e=e if c["entropy"] else None)
+    oracle.assert_values(logp, ref["logp"], f"logp {c}")
+    if c["entropy"]:
+        oracle.assert_values(ent, ref["entropy"], f"entropy {c}")
+    oracle.assert_grad(grads["hidden"], ref["dh"], c["dtype"], f"dh {c}", ref["dh_abs"])
+    oracle.assert_grad(grads["weight"], ref["dw"], c["dtype"], f"dw {c}", ref["dw_abs"])
+    if "bias" in grads:
+        oracle.assert_grad(grads["bias"], ref["db"], c["dtype"], f"db {c}", ref["db_abs"])
+    if "temperature" in grads:
+        oracle.assert_grad(grads["temperature"], ref["dtemp"], "float32", f"dT {c}", ref["dtemp_abs"])
