@@ -1,0 +1,153 @@
+"""The main job: `check` (is this build right on this machine?) and `bench` (how fast, how lean)."""
+from __future__ import annotations
+
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import linear_logp, reference, reset_route_stats, route_stats
+from ._core import core, registered_platforms
+
+# DESIGN.md section 6, plus the CPU shape of the core issue.
+SHAPES = {"small": (512, 1024, 32000), "T1": (796, 2048, 75968), "T2": (1820, 2048, 75968),
+          "T3": (6827, 2048, 75968), "T3-tp1": (6827, 2048, 151936), "Q8B-tp4": (4096, 4096, 37984),
+          "L16k": (16384, 4096, 151936), "H200-pub": (4096, 4096, 128256)}
+
+
+def progress(i: int, total: int, label: str) -> None:
+    """A one-line progress bar on stderr."""
+    width = 30
+    done = int(width * i / max(total, 1))
+    sys.stderr.write(f"\r[{'#' * done}{'.' * (width - done)}] {i}/{total} {label[:40]:<40}")
+    if i == total:
+        sys.stderr.write("\n")
+    sys.stderr.flush()
+
+
+def _device(name: str):
+    return jax.devices()[0] if name == "default" else jax.devices(name)[0]
+
+
+def _inputs(n, h, v, dtype, seed=0, device=None):
+    r = np.random.default_rng(seed)
+    put = lambda x: jax.device_put(x, device)
+    return (put(jnp.asarray(r.standard_normal((n, h)), dtype)),
+            put(jnp.asarray(r.standard_normal((v, h)) * 3 / np.sqrt(h), dtype)),
+            put(jnp.asarray(np.where(r.random(n) < 0.1, -100, r.integers(0, v, n)), jnp.int32)))
+
+
+def _oracle64(h, w, t):
+    """float64 logp and entropy from the operands' exact values."""
+    h64, w64 = np.asarray(h, np.float64), np.asarray(w, np.float64)
+    z = h64 @ w64.T
+    m = z.max(1, keepdims=True)
+    lse = (m + np.log(np.exp(z - m).sum(1, keepdims=True)))[:, 0]
+    p = np.exp(z - lse[:, None])
+    t = np.asarray(t)
+    keep = t != -100
+    logp = np.where(keep, z[np.arange(len(t)), np.where(keep, t, 0)] - lse, 0.0)
+    return logp, np.where(keep, lse - (p * z).sum(1), 0.0)
+
+
+def check(device_name: str = "default") -> int:
+    """Each route against float64 on a few odd shapes, plus determinism and batch invariance."""
+    dev = _device(device_name)
+    print(f"rlk_xla check: jax {jax.__version__}, device {dev.device_kind} ({dev.platform}); compiled: "
+          f"xla_ffi={core.has_xla_ffi} cuda={core.has_cuda}; FFI targets for {', '.join(registered_platforms())}")
+    rows, ok = [], True
+    shapes = [(1, 64, 1000), (127, 96, 1000), (1000, 256, 4104)]
+    cases = [(s, dt, mode) for s in shapes for dt in ("bfloat16", "float32") for mode in ("strict", "off")]
+    for i, ((n, h, v), dt, mode) in enumerate(cases):
+        progress(i, len(cases), f"{mode} {dt} N={n} V={v}")
+        hh, ww, tt = _inputs(n, h, v, jnp.dtype(dt), seed=i, device=dev)
+        f = jax.jit(lambda a, b, c, mode=mode: linear_logp(a, b, c, return_entropy=True, mode=mode))
+        reset_route_stats()
+        lp, ent = f(hh, ww, tt)
+        lp2, _ = f(hh, ww, tt)
+        sub = slice(n // 3, n // 3 + max(1, n // 4))
+        lp_sub, _ = f(hh[sub], ww, tt[sub])
+        ref_lp, ref_ent = _oracle64(hh.astype(jnp.float32), ww.astype(jnp.float32), tt)
+        g = jax.grad(lambda a, b: jnp.sum(linear_logp(a, b, tt, mode=mode)), argnums=(0, 1))(hh, ww)
+        gr = jax.grad(lambda a, b: jnp.sum(reference.linear_logp(a.astype(jnp.float32), b.astype(jnp.float32), tt)),
+                      argnums=(0, 1))(hh, ww)
+        err_lp = float(np.max(np.abs(np.asarray(lp) - ref_lp)))
+        err_ent = float(np.max(np.abs(np.asarray(ent) - ref_ent)))
+        err_g = max(float(np.linalg.norm(np.asarray(a, np.float32) - np.asarray(b, np.float32)) /
+                          np.linalg.norm(np.asarray(b, np.float32))) for a, b in zip(g, gr))
+        det = bool(np.array_equal(np.asarray(lp), np.asarray(lp2)))
+        inv = bool(np.array_equal(np.asarray(lp_sub), np.asarray(lp)[sub]))
+        stats = route_stats()
+        route = "reference" if mode == "off" else ",".join(k for k, c in stats["backends"].items() if c["fwd_calls"])
+        grad_tol = 2.0 ** -7 if dt == "bfloat16" else 1e-4
+        passed = err_lp < 1e-4 and err_ent < 1e-4 and err_g < grad_tol and det and inv and stats["fallback_total"] == 0
+        ok &= passed
+        rows.append((route, dt, f"{n}x{h}x{v}", f"{err_lp:.1e}", f"{err_ent:.1e}", f"{err_g:.1e}",
+                     "yes" if det else "NO", "yes" if inv else "NO", "PASS" if passed else "FAIL"))
+    progress(len(cases), len(cases), "done")
+    _table(("route", "dtype", "NxHxV", "|dlogp| max", "|dent| max", "grad rel err", "repeat bitwise",
+            "batch invariant", "result"), rows)
+    print("check:", "PASS" if ok else "FAIL")
+    return 0 if ok else 1
+
+
+def _time(fn, *args, iters: int) -> float:
+    jax.block_until_ready(fn(*args))
+    ts = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        ts.append(time.perf_counter() - t0)
+    return float(np.median(ts)) * 1e3
+
+
+def _temp_mb(fn, *args) -> float:
+    return fn.lower(*args).compile().memory_analysis().temp_size_in_bytes / 2 ** 20
+
+
+def bench(shapes, device_name: str, dtype: str, iters: int) -> int:
+    """Fused vs reference: forward and forward+backward time (median ms) and XLA temp memory."""
+    dev = _device(device_name)
+    print(f"rlk_xla bench: jax {jax.__version__}, {dev.device_kind} ({dev.platform}), {dtype}, median of {iters}")
+    parsed = []
+    for s in shapes:
+        parsed.append((s, SHAPES[s]) if s in SHAPES else (s, tuple(int(x) for x in s.split(","))))
+    rows, steps = [], len(parsed) * 5
+    step = 0
+    for name, (n, h, v) in parsed:
+        hh, ww, tt = _inputs(n, h, v, jnp.dtype(dtype), device=dev)
+        res = {}
+        progress(step, steps, f"{name}: gemm")
+        res["gemm"] = _time(jax.jit(lambda a, b: a @ b.T), hh, ww, iters=iters)
+        step += 1
+        for label, fn in (("fused", linear_logp), ("reference", reference.linear_logp)):
+            fwd = jax.jit(lambda a, b, fn=fn: fn(a, b, tt))
+            fb = jax.jit(jax.grad(lambda a, b, fn=fn: jnp.sum(fn(a, b, tt)), argnums=(0, 1)))
+            progress(step, steps, f"{name}: {label} fwd")
+            res[label, "fwd"] = _time(fwd, hh, ww, iters=iters)
+            step += 1
+            progress(step, steps, f"{name}: {label} fwd+bwd")
+            res[label, "fb"] = _time(fb, hh, ww, iters=iters)
+            res[label, "mem"] = _temp_mb(fb, hh, ww)
+            step += 1
+        rows.append((name, f"{n}x{h}x{v}", f"{res['gemm']:.2f}",
+                     f"{res['fused', 'fwd']:.2f}", f"{res['reference', 'fwd']:.2f}",
+                     f"{res['fused', 'fwd'] / res['reference', 'fwd']:.2f}",
+                     f"{res['fused', 'fb']:.2f}", f"{res['reference', 'fb']:.2f}",
+                     f"{res['fused', 'fb'] / res['reference', 'fb']:.2f}",
+                     f"{res['fused', 'mem']:.1f}", f"{res['reference', 'mem']:.1f}"))
+    progress(steps, steps, "done")
+    _table(("shape", "NxHxV", "GEMM ms", "fused fwd ms", "ref fwd ms", "fwd ratio", "fused f+b ms", "ref f+b ms",
+            "f+b ratio", "fused f+b temp MB", "ref f+b temp MB"), rows)
+    return 0
+
+
+def _table(header, rows) -> None:
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
+    line = lambda r: "| " + " | ".join(str(x).ljust(w) for x, w in zip(r, widths)) + " |"
+    print(line(header))
+    print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    for r in rows:
+        print(line(r))
