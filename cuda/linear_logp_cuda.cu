@@ -220,7 +220,11 @@ struct BwdLayout {
 BwdLayout bwd_layout(const Problem& p) {
   BwdLayout L{};
   L.P = bwd_piece_cols(p);
-  L.R = p.n < kBwdRows ? ((p.n + kBM - 1) / kBM) * kBM : kBwdRows;
+  {  // passes of equal size (a fuller last wave), at most kBwdRows rows each
+    const int64_t np = (p.n + kBwdRows - 1) / kBwdRows;
+    const int64_t per = np > 0 ? (p.n + np - 1) / np : 1;
+    L.R = ((per + kBM - 1) / kBM) * kBM;
+  }
   if (L.R < kBM) L.R = kBM;
   L.nt = L.P / kBN;
   auto al = [](size_t x) { return (x + 255) & ~size_t(255); };

@@ -375,7 +375,7 @@ static void run_case(const Case& c, uint64_t seed) {
 // ---- bench ---------------------------------------------------------------------------------------
 static float median(std::vector<float> v) { std::sort(v.begin(), v.end()); return v[v.size() / 2]; }
 
-static void bench_shape(const char* name, int64_t n, int64_t h, int64_t v, int reps) {
+static void bench_shape(const char* name, int64_t n, int64_t h, int64_t v, int reps, int warm = 3) {
   Problem p;
   p.n = n; p.h = h; p.v = v; p.real_vocab = v; p.chunk = canonical_chunk(v); p.dtype = DType::kBF16;
   p.has_bias = false; p.with_entropy = false;
@@ -399,19 +399,19 @@ static void bench_shape(const char* name, int64_t n, int64_t h, int64_t v, int r
   cudaEvent_t e0, e1; CK(cudaEventCreate(&e0)); CK(cudaEventCreate(&e1));
   Backend be = Backend::kCount;
   std::vector<float> tf, tb;
-  for (int it = 0; it < reps + 3; ++it) {
+  for (int it = 0; it < reps + warm; ++it) {
     CK(cudaEventRecord(e0));
     CKS(cuda::forward(p, fa, {fws.p, fws.bytes}, 0, &be));
     CKS(cuda::combine(ca, 0));
     CK(cudaEventRecord(e1)); CK(cudaEventSynchronize(e1));
-    float ms; CK(cudaEventElapsedTime(&ms, e0, e1)); if (it >= 3) tf.push_back(ms);
+    float ms; CK(cudaEventElapsedTime(&ms, e0, e1)); if (it >= warm) tf.push_back(ms);
   }
-  const int breps = std::max(3, reps / (n * h * double(v) > 4e12 ? 4 : 1));
-  for (int it = 0; it < breps + 1; ++it) {
+  const int breps = warm == 0 ? 1 : std::max(3, reps / (n * h * double(v) > 4e12 ? 4 : 1));
+  for (int it = 0; it < breps + (warm ? 1 : 0); ++it) {
     CK(cudaEventRecord(e0));
     CKS(cuda::backward(p, ba, {bws.p, bws.bytes}, 0, nullptr));
     CK(cudaEventRecord(e1)); CK(cudaEventSynchronize(e1));
-    float ms; CK(cudaEventElapsedTime(&ms, e0, e1)); if (it >= 1) tb.push_back(ms);
+    float ms; CK(cudaEventElapsedTime(&ms, e0, e1)); if (it >= (warm ? 1 : 0)) tb.push_back(ms);
   }
   const double flop = 2.0 * n * h * v;
   const float mf = median(tf), mb = median(tb);
@@ -423,11 +423,12 @@ static void bench_shape(const char* name, int64_t n, int64_t h, int64_t v, int r
 }
 
 int main(int argc, char** argv) {
-  bool bench = false, quick = false;
+  bool bench = false, quick = false, profile = false;
   std::string only;
   for (int i = 1; i < argc; ++i) {
     if (!strcmp(argv[i], "--bench")) bench = true;
     else if (!strcmp(argv[i], "--quick")) quick = true;
+    else if (!strcmp(argv[i], "--profile")) { profile = true; bench = true; }
     else if (!strcmp(argv[i], "--only") && i + 1 < argc) only = argv[++i];
   }
   cudaDeviceProp prop; CK(cudaGetDeviceProperties(&prop, 0));
@@ -437,7 +438,7 @@ int main(int argc, char** argv) {
     const S shapes[] = {{"T1", 796, 2048, 75968}, {"T2", 1820, 2048, 75968}, {"T3", 6827, 2048, 75968},
                         {"T3-tp1", 6827, 2048, 151936}, {"H200-pub", 4096, 4096, 128256}, {"L16k", 16384, 4096, 151936}};
     for (const S& s : shapes)
-      if (only.empty() || only == s.name) bench_shape(s.name, s.n, s.h, s.v, 20);
+      if (only.empty() || only == s.name) bench_shape(s.name, s.n, s.h, s.v, profile ? 1 : 20, profile ? 0 : 3);
     return 0;
   }
   std::vector<Case> cases;

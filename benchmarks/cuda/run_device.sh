@@ -33,6 +33,8 @@ for step in "$@"; do
          timeout 200 compute-sanitizer --tool racecheck --print-limit 5 $B/lptest --quick 2>&1 | tail -n 25 | tee $OUT/racecheck.log ;;
     bench) timeout 150 $B/lptest --bench 2>&1 | tee $OUT/bench.log ;;
     bench1) timeout 60 $B/lptest --bench --only T3 2>&1 | tee $OUT/bench.log ;;
+    prof) timeout 200 ncu --clock-control none --metrics gpu__time_duration.sum --csv $B/lptest --profile --only ${PROF_SHAPE:-T3} > $OUT/ncu.csv 2>$OUT/ncu.err; tail -3 $OUT/ncu.err
+          python3 benchmarks/cuda/ncu_summary.py $OUT/ncu.csv ;;
     gemm) python3 - <<'PY' 2>&1 | tee $OUT/gemm.log
 import torch, triton
 for name,n,h,v in [("T1",796,2048,75968),("T2",1820,2048,75968),("T3",6827,2048,75968),("T3-tp1",6827,2048,151936),("H200-pub",4096,4096,128256),("L16k",16384,4096,151936)]:
