@@ -423,11 +423,12 @@ static void bench_shape(const char* name, int64_t n, int64_t h, int64_t v, int r
 }
 
 int main(int argc, char** argv) {
-  bool bench = false, quick = false, profile = false;
+  bool bench = false, quick = false, profile = false, tiny = false;
   std::string only;
   for (int i = 1; i < argc; ++i) {
     if (!strcmp(argv[i], "--bench")) bench = true;
     else if (!strcmp(argv[i], "--quick")) quick = true;
+    else if (!strcmp(argv[i], "--tiny")) tiny = true;
     else if (!strcmp(argv[i], "--profile")) { profile = true; bench = true; }
     else if (!strcmp(argv[i], "--only") && i + 1 < argc) only = argv[++i];
   }
@@ -444,6 +445,14 @@ int main(int argc, char** argv) {
   std::vector<Case> cases;
   const int64_t vodd = 7013;  // 1000*7+13: odd, so canonical_chunk(v) = v; no tile divides it
   auto add = [&](Case c) { cases.push_back(c); };
+  if (tiny) {  // for compute-sanitizer: every kernel, small and odd shapes
+    add({127, 64, vodd, DType::kBF16, true, true, 13, true, 5, 68, false});
+    add({127, 64, vodd, DType::kF32, true, true, 13, true, 5, 68, false});
+    add({127, 64, vodd, DType::kBF16, true, true, 13, true, 5, 68, false, true});
+    add({300, 128, 24576, DType::kF16, false, true, 7, true, -1, -1, true});
+    add({300, 72, 1000, DType::kBF16, true, false, 3, true, -1, -1, false});
+  }
+  if (!tiny) {
   for (DType dt : {DType::kBF16, DType::kF16, DType::kF32}) {
     add({127, 64, vodd, dt, true, true, 13, true, 5, 68, false});
     add({3, 2048, 151936, dt, false, true, 100, true, -1, -1, true});
@@ -460,6 +469,7 @@ int main(int argc, char** argv) {
     add({4097, 2048, 151936, DType::kBF16, true, true, 36, true, 100, 300, true, true});
     add({300, 72, 7013, DType::kBF16, true, true, 13, true, 5, 68, false});  // h % 64 != 0: portable
     add({16384, 256, 151936, DType::kBF16, false, true, 36, false, -1, -1, false});  // n*v > 2^31
+  }
   }
   uint64_t seed = 1000;
   for (const Case& c : cases) run_case(c, seed += 17);
