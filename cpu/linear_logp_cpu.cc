@@ -97,7 +97,7 @@ void scale_tile(float* t, const float* bias_f, int64_t valid, const f32x16* inv_
 // ---- forward ---------------------------------------------------------------------------------
 
 struct FwdScratch {
-  std::vector<float> wf, t, bias_f;
+  std::vector<float> wf, t;
 };
 
 void forward_unit(const Problem& p, const FwdArgs& a, const float* ap, int64_t blk, int64_t c,
@@ -121,9 +121,8 @@ void forward_unit(const Problem& p, const FwdArgs& a, const float* ap, int64_t b
   for (int64_t v0 = c0; v0 < std::min(c1, real_end); v0 += kTileV) {
     const int64_t valid = std::min({kTileV, c1 - v0, real_end - v0});
     load_weight_tile(p, a.weight, v0, v0 + valid, s.wf.data());
-    if (p.has_bias) to_f32(p.dtype, a.bias, v0, valid, s.bias_f.data());
     logits_tile(s.wf.data(), ap, 2 * blk, p.h, s.t.data());
-    scale_tile(s.t.data(), p.has_bias ? s.bias_f.data() : nullptr, valid, inv_temp);
+    scale_tile(s.t.data(), p.has_bias ? a.bias + v0 : nullptr, valid, inv_temp);
     for (int rv = 0; rv < kRowVecs; ++rv) {
       f32x16 mt = m[rv];
       for (int64_t j = 0; j < valid; ++j) mt = vmax(mt, load16(s.t.data() + j * kBlock + rv * kLanes));
@@ -172,8 +171,7 @@ void target_logits(const Problem& p, const FwdArgs& a) {
       to_f32(p.dtype, a.weight, (t - p.vocab_start) * p.h, p.h, wrow.data());
       float acc = 0.f;
       for (int64_t k = 0; k < p.h; ++k) acc = std::fma(hrow[k], wrow[k], acc);
-      float b = 0.f;
-      if (p.has_bias) to_f32(p.dtype, a.bias, t - p.vocab_start, 1, &b);
+      const float b = p.has_bias ? a.bias[t - p.vocab_start] : 0.f;
       a.target_logit[r] = (acc + b) * a.inv_temp[r];
     }
   });
@@ -219,7 +217,7 @@ void dlogit_tile(float* t, int64_t gid0, int64_t valid, const RowBlock& rb, f32x
 }
 
 struct BwdScratch {
-  std::vector<float> wf, t, bias_f, dh, dwt;
+  std::vector<float> wf, t, dh, dwt;
 };
 
 // Pass 1: dH and dzz of one row block, over the whole local vocab in order.
@@ -233,9 +231,8 @@ void dhidden_unit(const Problem& p, const BwdArgs& a, const float* ap, int64_t b
     for (int64_t v0 = c0; v0 < std::min(c0 + p.chunk, real_end); v0 += kTileV) {
       const int64_t valid = std::min({kTileV, c0 + p.chunk - v0, real_end - v0});
       load_weight_tile(p, a.weight, v0, v0 + valid, s.wf.data());
-      if (p.has_bias) to_f32(p.dtype, a.bias, v0, valid, s.bias_f.data());
       logits_tile(s.wf.data(), ap, 2 * blk, p.h, s.t.data());
-      scale_tile(s.t.data(), p.has_bias ? s.bias_f.data() : nullptr, valid, rb.inv_temp);
+      scale_tile(s.t.data(), p.has_bias ? a.bias + v0 : nullptr, valid, rb.inv_temp);
       dlogit_tile(s.t.data(), p.vocab_start + v0, valid, rb, dzz);
       // dh[r][k] += sum_j dlogit[j][r] wf[j][k]: eight rows by two vectors of k per step.
       for (int64_t r = 0; r < kBlock; r += 8)
@@ -283,13 +280,12 @@ void dweight_unit(const Problem& p, const BwdArgs& a, const float* ap, int64_t t
   float db[kTileV] = {};
   if (valid > 0) {
     load_weight_tile(p, a.weight, v0, v0 + valid, s.wf.data());
-    if (p.has_bias) to_f32(p.dtype, a.bias, v0, valid, s.bias_f.data());
     RowBlock rb;
     std::vector<float> dt(size_t(kBlock * kTileV));  // dlogit transposed: dt[r][j]
     for (int64_t blk = 0; blk < cdiv(p.n, kBlock); ++blk) {
       load_row_block(p, a, blk, rb);
       logits_tile(s.wf.data(), ap, 2 * blk, p.h, s.t.data());
-      scale_tile(s.t.data(), p.has_bias ? s.bias_f.data() : nullptr, valid, rb.inv_temp);
+      scale_tile(s.t.data(), p.has_bias ? a.bias + v0 : nullptr, valid, rb.inv_temp);
       dlogit_tile(s.t.data(), p.vocab_start + v0, valid, rb, nullptr);
       for (int64_t j = 0; j < kTileV; ++j)
         for (int64_t r = 0; r < kBlock; ++r) {
@@ -339,7 +335,6 @@ Status forward(const Problem& p, const FwdArgs& a) {
   for (auto& s : scratch) {
     s.wf.resize(size_t(kTileV * p.h));
     s.t.resize(size_t(kTileV * kBlock));
-    s.bias_f.resize(size_t(kTileV));
   }
   parallel_for(units, workers, [&](int w, int64_t u) { forward_unit(p, a, ap.data(), u / k, u % k, scratch[w]); });
   target_logits(p, a);
@@ -374,7 +369,6 @@ Status backward(const Problem& p, const BwdArgs& a) {
     for (auto& s : sc) {
       s.wf.resize(size_t(kTileV * p.h));
       s.t.resize(size_t(kTileV * kBlock));
-      s.bias_f.resize(size_t(kTileV));
       if (pass1) s.dh.resize(size_t(kBlock * p.h)); else s.dwt.resize(size_t(p.h * kTileV));
     }
     return sc;

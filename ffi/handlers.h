@@ -115,7 +115,7 @@ inline ffi::Error make_problem(const Inputs& in, ffi::DataType ht, ffi::DataType
   if (in.weight.core[1] != p->h) return invalid("hidden and weight disagree on the hidden size");
   if (in.targets.core[0] != p->n || in.inv_temp.core[0] != p->n) return invalid("row counts disagree");
   p->has_bias = at.has_bias != 0;
-  if (p->has_bias && (bt != ht || in.bias.core[0] != p->v)) return invalid("bias must be [v] in the weight dtype");
+  if (p->has_bias && (bt != ffi::DataType::F32 || in.bias.core[0] != p->v)) return invalid("bias must be [v] float32");
   p->vocab_start = at.vocab_start;
   p->real_vocab = at.real_vocab;
   p->chunk = at.chunk;
@@ -149,7 +149,7 @@ ffi::Error forward(Exec& ex, ffi::AnyBuffer hidden, ffi::AnyBuffer weight, ffi::
     FwdArgs a;
     a.hidden = batch.at(in.hidden, b);
     a.weight = batch.at(in.weight, b);
-    a.bias = p.has_bias ? batch.at(in.bias, b) : nullptr;
+    a.bias = p.has_bias ? batch.at<const float>(in.bias, b) : nullptr;
     a.targets = batch.at<const int32_t>(in.targets, b);
     a.inv_temp = batch.at<const float>(in.inv_temp, b);
     a.stats = batch.at<float>(st, b);
@@ -209,7 +209,7 @@ ffi::Error backward(Exec& ex, ffi::AnyBuffer hidden, ffi::AnyBuffer weight, ffi:
     BwdArgs a;
     a.hidden = batch.at(in.hidden, b);
     a.weight = batch.at(in.weight, b);
-    a.bias = p.has_bias ? batch.at(in.bias, b) : nullptr;
+    a.bias = p.has_bias ? batch.at<const float>(in.bias, b) : nullptr;
     a.targets = batch.at<const int32_t>(in.targets, b);
     a.inv_temp = batch.at<const float>(in.inv_temp, b);
     a.lse = batch.at<const float>(vl, b);

@@ -37,7 +37,11 @@ class Args:
 
     @property
     def chunk(self) -> int:
-        return core.canonical_chunk(self.v_global)
+        """Canonical chunk of the global vocab; a shard that does not hold whole canonical chunks
+        (TP degrees above MAX_INVARIANT_TP, or not dividing the vocab's power of two) is one chunk:
+        it still works, without the bitwise TP-invariance promise."""
+        c = core.canonical_chunk(self.v_global)
+        return c if self.weight.shape[0] % c == 0 else self.weight.shape[0]
 
 
 def _shape(x, name):

@@ -12,10 +12,11 @@ except AttributeError:  # pragma: no cover - older jax
 
 def vma(x) -> frozenset:
     """The mesh axes a value varies over inside shard_map (empty outside it or on old jax)."""
-    try:
-        return frozenset(getattr(jax.typeof(x), "vma", ()) or ())
-    except Exception:  # pragma: no cover - jax without typeof
-        return frozenset()
+    aval = jax.typeof(x) if hasattr(jax, "typeof") else getattr(x, "aval", None)
+    mat = getattr(aval, "manual_axis_type", None)  # jax >= 0.10
+    if mat is not None:
+        return frozenset(mat.varying)
+    return frozenset(getattr(aval, "vma", None) or ())  # jax 0.7 - 0.9
 
 
 def pvary(x, axis_name):
@@ -27,3 +28,28 @@ def pvary(x, axis_name):
     if hasattr(lax, "pvary"):  # pragma: no cover - jax 0.6/0.7
         return lax.pvary(x, axis_name)
     return x  # pragma: no cover - jax without varying types
+
+
+def result_type(shape, dtype, operands):
+    """ShapeDtypeStruct for an ffi_call result: varying over every mesh axis any operand varies
+    over (inside shard_map, XLA custom calls do not infer this themselves)."""
+    varying = frozenset().union(*(vma(x) for x in operands))
+    if not varying:
+        return jax.ShapeDtypeStruct(shape, dtype)
+    for x in operands:
+        aval = jax.typeof(x)
+        mat = getattr(aval, "manual_axis_type", None)
+        if mat is not None:  # jax >= 0.10: an abstract value of the operand's mesh, reshaped
+            return aval.update(shape=tuple(shape), dtype=jax.numpy.dtype(dtype), weak_type=False,
+                               manual_axis_type=mat.update(varying=varying))
+    return jax.ShapeDtypeStruct(shape, dtype, vma=varying)  # jax 0.7 - 0.9
+
+
+def psum_to(ct, like, axis_name):
+    """Sum a cotangent over the mesh axes it varies over and its primal `like` does not (what
+    shard_map's transpose would do for an un-differentiated body). Without varying types (old
+    jax), sum over `axis_name` when the primal was replicated there."""
+    if hasattr(jax, "typeof") and (vma(ct) or vma(like)):
+        extra = tuple(sorted(vma(ct) - vma(like)))
+        return lax.psum(ct, extra) if extra else ct
+    return lax.psum(ct, axis_name)  # pragma: no cover - jax without varying types

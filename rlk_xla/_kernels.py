@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from ._compat import result_type
 from ._core import core, has_platform, registered_platforms
 
 F32 = jnp.float32
@@ -35,8 +36,8 @@ class KernelConfig:
                     has_bias=np.int64(self.has_bias), with_entropy=np.int64(self.with_entropy))
 
 
-def _sds(shape, dtype=F32):
-    return jax.ShapeDtypeStruct(tuple(shape), dtype)
+def _sds(shape, dtype=F32, operands=()):
+    return result_type(tuple(shape), dtype, operands)
 
 
 def _on_platform(results, cuda_workspace: int, name: str, args, attrs):
@@ -50,7 +51,7 @@ def _on_platform(results, cuda_workspace: int, name: str, args, attrs):
         return cpu(*args)
 
     def cuda(*a):
-        with_ws = list(results) + [_sds((max(cuda_workspace, 1),), jnp.uint8)]
+        with_ws = list(results) + [_sds((max(cuda_workspace, 1),), jnp.uint8, a)]
         out = jax.ffi.ffi_call(name, with_ws, vmap_method="expand_dims")(*a, **attrs)
         return tuple(out[:-1])
 
@@ -63,15 +64,16 @@ def _workspace(hidden, weight, cfg: KernelConfig) -> tuple[int, int]:
                                      cfg.has_bias, cfg.with_entropy)
 
 
-def _bias_arg(bias, dtype):
-    return bias if bias is not None else jnp.zeros((0,), dtype)
+def _bias_arg(bias):
+    return bias if bias is not None else jnp.zeros((0,), F32)
 
 
 def forward(hidden, weight, bias, targets, inv_temp, cfg: KernelConfig):
-    """-> stats [n, v/chunk, STAT_WIDTH] f32, target_logit [n] f32 (0 where not in this shard)."""
+    """bias: [v] f32 or None. -> stats [n, v/chunk, STAT_WIDTH] f32, target_logit [n] f32 (0 where
+    the target is not a real id of this shard)."""
     n, v = hidden.shape[0], weight.shape[0]
-    results = (_sds((n, v // cfg.chunk, STAT_WIDTH)), _sds((n,)))
-    args = (hidden, weight, _bias_arg(bias, hidden.dtype), targets, inv_temp)
+    args = (hidden, weight, _bias_arg(bias), targets, inv_temp)
+    results = (_sds((n, v // cfg.chunk, STAT_WIDTH), F32, args), _sds((n,), F32, args))
     return _on_platform(results, _workspace(hidden, weight, cfg)[0], "rlk_forward", args, cfg.attrs())
 
 
@@ -79,7 +81,8 @@ def combine(stats, target_logit, targets, *, real_vocab: int, ignore_index: int)
     """All chunks of the global vocab -> (logp, lse, entropy), each [n] f32."""
     n = stats.shape[0]
     attrs = dict(real_vocab=np.int64(real_vocab), ignore_index=np.int64(ignore_index))
-    return _on_platform((_sds((n,)),) * 3, 0, "rlk_combine", (stats, target_logit, targets), attrs)
+    args = (stats, target_logit, targets)
+    return _on_platform((_sds((n,), F32, args),) * 3, 0, "rlk_combine", args, attrs)
 
 
 def backward(hidden, weight, bias, targets, inv_temp, lse, entropy, g, e, cfg: KernelConfig):
@@ -87,7 +90,8 @@ def backward(hidden, weight, bias, targets, inv_temp, lse, entropy, g, e, cfg: K
     n, h = hidden.shape
     v = weight.shape[0]
     empty = jnp.zeros((0,), F32)
-    results = (_sds((n, h)), _sds((v, h), weight.dtype), _sds((v if cfg.has_bias else 0,)), _sds((n,)))
-    args = (hidden, weight, _bias_arg(bias, hidden.dtype), targets, inv_temp, lse,
+    args = (hidden, weight, _bias_arg(bias), targets, inv_temp, lse,
             entropy if cfg.with_entropy else empty, g, e if cfg.with_entropy else empty)
+    results = (_sds((n, h), F32, args), _sds((v, h), weight.dtype, args),
+               _sds((v if cfg.has_bias else 0,), F32, args), _sds((n,), F32, args))
     return _on_platform(results, _workspace(hidden, weight, cfg)[1], "rlk_backward", args, cfg.attrs())

@@ -16,12 +16,13 @@ from jax import lax
 from . import _kernels as K
 from . import reference, routes
 from ._args import SUPPORTED_DTYPES, Args, parse
-from ._compat import pvary
+from ._compat import psum_to, pvary
 from ._core import has_platform, registered_platforms
 
 F32 = jnp.float32
-# Padding columns of a vocab shard get this added logit under shard_map: exp() of it is exactly 0,
-# and, unlike -inf, it keeps 0 * z finite in the statistics and the gradient.
+# Padding columns of a vocab shard get this added (fp32) logit under shard_map: exp() of it is
+# exactly 0 for any temperature below 1e8, and, unlike -inf, it keeps 0 * z finite in the
+# statistics and the gradient.
 PAD_LOGIT = -1e30
 
 
@@ -85,7 +86,7 @@ class _Static:
 def fused_rows(a: Args, with_entropy: bool):
     """logp and entropy ([n] f32; entropy zeros unless asked) through the compiled kernels."""
     v_local = a.weight.shape[0]
-    bias, ktargets = a.bias, a.targets
+    bias, ktargets = (None if a.bias is None else a.bias.astype(F32)), a.targets
     if a.axis_name is None:
         cfg = K.KernelConfig(vocab_start=0, real_vocab=a.real_vocab, chunk=a.chunk, ignore_index=a.ignore_index,
                              has_bias=bias is not None, with_entropy=with_entropy)
@@ -94,7 +95,7 @@ def fused_rows(a: Args, with_entropy: bool):
         # local columns, local target columns, and padding through the bias.
         gid = a.vocab_start + jnp.arange(v_local)
         if a.real_vocab < a.v_global:
-            pad = jnp.where(gid >= a.real_vocab, PAD_LOGIT, 0.0).astype(a.weight.dtype)
+            pad = jnp.where(gid >= a.real_vocab, PAD_LOGIT, 0.0).astype(F32)
             bias = pad if bias is None else bias + pad
         ktargets = _shard_targets(a, v_local)
         cfg = K.KernelConfig(vocab_start=0, real_vocab=a.v_global, chunk=a.chunk, ignore_index=a.ignore_index,
@@ -150,11 +151,14 @@ def _fused_bwd(st: _Static, res, cts):
     g, e = cts
     hk, itk, ktk, lk, ek, gk, eek = _varying(st, hidden, inv_temp, ktargets, lse, ent, g.astype(F32), e.astype(F32))
     dh, dw, db, dzz = K.backward(hk, weight, bias, ktk, itk, lk, ek, gk, eek, st.cfg)
+    dtemp = -itk * dzz
     if st.axis_name is not None:
-        dh = lax.psum(dh, st.axis_name)
-        dzz = lax.psum(dzz, st.axis_name)
-    dtemp = -inv_temp * dzz
-    dbias = None if bias is None else db.astype(bias.dtype)
+        # dH and dT are partial sums over this shard's vocab: one all-reduce each over the vocab
+        # axis; dW and db stay local (reduced only over a token axis the weight is replicated on).
+        dh, dtemp = psum_to(dh, hidden, st.axis_name), psum_to(dtemp, inv_temp, st.axis_name)
+        dw = psum_to(dw, weight, ())
+        db = psum_to(db, bias, ()) if bias is not None else db
+    dbias = None if bias is None else db
     return dh.astype(hidden.dtype), dw, dbias, dtemp, None, None, None
 
 

@@ -135,14 +135,15 @@ RLK_HD float dz_of(float z, bool is_target, float lse, float ent, float g, float
 // ---- the calls -------------------------------------------------------------------------------
 
 // Forward partial statistics.
-//   in : hidden [n, h], weight [v, h], bias [v] (dtype; null when !has_bias), targets [n] int32,
+//   in : hidden [n, h], weight [v, h] (dtype), bias [v] f32 (null when !has_bias; fp32 so that a
+//        frontend can also mask padding columns through it, whatever the dtype), targets [n] int32,
 //        inv_temp [n] f32
 //   out: stats [n, num_chunks, kStatWidth] f32; target_logit [n] f32 = z_t when the target is a
 //        real id of this shard, else 0 (so a sum over shards is exact).
 struct FwdArgs {
   const void* hidden = nullptr;
   const void* weight = nullptr;
-  const void* bias = nullptr;
+  const float* bias = nullptr;
   const int32_t* targets = nullptr;
   const float* inv_temp = nullptr;
   float* stats = nullptr;
@@ -169,7 +170,7 @@ struct CombineArgs {
 struct BwdArgs {
   const void* hidden = nullptr;
   const void* weight = nullptr;
-  const void* bias = nullptr;
+  const float* bias = nullptr;
   const int32_t* targets = nullptr;
   const float* inv_temp = nullptr;
   const float* lse = nullptr;
