@@ -41,9 +41,17 @@
 namespace rlk::cuda::detail {
 namespace {
 
-constexpr int kBM = 128, kBN = 256, kBK = 64, kStages = 4;
+constexpr int kBM = 128, kBN = 256, kBK = 64;
 constexpr int kABytes = kBM * kBK * 2, kBBytes = kBN * kBK * 2, kStageBytes = kABytes + kBBytes;
-constexpr int kSmemBytes = kStages * kStageBytes + 1024 /*alignment*/ + 256 /*barriers*/;
+// Shared memory: the stage ring, the mbarriers, and for the dlogit kernel the db reduction buffer
+// and a 128x256 staging tile (which is why that kernel keeps 3 stages instead of 4).
+constexpr int kStageLd = kBN + 8;  // staging row stride in elements (16-byte aligned, conflict-free)
+constexpr int kRedBytes = 8 * 256 * 4, kStagingBytes = kBM * kStageLd * 2;
+constexpr int stages_of(int kind) { return kind == 1 ? 3 : 4; }
+constexpr int smem_of(int kind) {
+  return stages_of(kind) * kStageBytes + 1024 /*alignment*/ + 256 /*barriers*/ + (kind == 1 ? kRedBytes + kStagingBytes : 0);
+}
+constexpr int64_t kPersistentCtas = 132;  // a constant: the work split never reads the SM count
 constexpr int kThreads = 384;  // producer warpgroup + 2 consumer warpgroups
 constexpr int64_t kGroupRows = 16;
 static_assert(kSplitCols % kBN == 0, "a split is a whole number of column tiles");
@@ -207,48 +215,44 @@ __device__ __forceinline__ void epilogue_stats(float* d, int64_t t0, int64_t col
 // transposed, both in dtype) for the two gradient GEMMs, plus dzz and db partials.
 template <bool kBf16>
 __device__ __forceinline__ void epilogue_dlogit(float* d, int64_t r0, int64_t t0, int64_t rt, const Params& P,
-                                                int64_t rowA, unsigned char* smem) {
+                                                int64_t rowA, float* red, uint16_t* staging) {
   const int lane = threadIdx.x % 32, cq = 2 * (lane % 4);
   float dzz[2] = {0.f, 0.f};
+  // live columns of this tile: [0, lim) relative to t0 (piece end and padding)
+  int64_t lim64 = min(P.ncols, P.real_vocab - P.vocab_start - P.p0) - t0;
+  const int lim = int(max(int64_t(0), min(lim64, int64_t(kBN))));
+  const uint16_t* bias = static_cast<const uint16_t*>(P.bias);
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int64_t row = rowA + 8 * r;
     bool valid = false;
     float it = 1.f, l = 0.f, en = 0.f, gg = 0.f, ee = 0.f;
-    int64_t tloc = -1;
+    int tl = -1;  // target column relative to t0, if in this tile
     if (row < P.rows) {
       const int64_t t = P.targets[row];
       valid = classify_target(t, P.real_vocab, P.ignore_index) == TargetKind::kValid;
       if (valid) {
         it = P.inv_temp[row]; l = P.lse[row]; gg = P.g[row];
         if (P.e != nullptr) { ee = P.e[row]; en = P.ent[row]; }
-        tloc = t - P.vocab_start - P.p0;
+        const int64_t rel = t - P.vocab_start - P.p0 - t0;
+        tl = (rel >= 0 && rel < kBN) ? int(rel) : -1;
       }
     }
+    const int rlim = valid ? lim : 0;
 #pragma unroll
     for (int j = 0; j < 32; ++j) {
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
-        const int64_t col = t0 + 8 * j + cq + e;  // within the piece
+        const int c = 8 * j + cq + e;  // column relative to t0
         float dl = 0.f;
-        if (valid && col < P.ncols && P.vocab_start + P.p0 + col < P.real_vocab) {
-          const float b = P.bias != nullptr ? load_bias<kBf16>(P.bias, col) : 0.f;
+        if (c < rlim) {
+          const float b = bias != nullptr ? load_bias<kBf16>(bias, t0 + c) : 0.f;
           const float z = (d[4 * j + 2 * r + e] + b) * it;
-          const float dz = dz_of(z, col == tloc, l, en, gg, ee);
+          const float dz = dz_of(z, c == tl, l, en, gg, ee);
           dzz[r] = fmaf(dz, z, dzz[r]);
           dl = dz * it;
         }
         d[4 * j + 2 * r + e] = dl;
-      }
-    }
-    if (row < P.rows) {
-      uint32_t* o = reinterpret_cast<uint32_t*>(static_cast<uint16_t*>(P.dlog) + row * P.ldd + t0 + cq);
-      uint16_t* ot = static_cast<uint16_t*>(P.dlogT) + (t0 + cq) * P.ldt + row;
-#pragma unroll
-      for (int j = 0; j < 32; ++j) {
-        o[4 * j] = pack2<kBf16>(d[4 * j + 2 * r], d[4 * j + 2 * r + 1]);
-        ot[(8 * j) * P.ldt] = pack1<kBf16>(d[4 * j + 2 * r]);
-        ot[(8 * j + 1) * P.ldt] = pack1<kBf16>(d[4 * j + 2 * r + 1]);
       }
     }
     dzz[r] += __shfl_xor_sync(0xffffffffu, dzz[r], 1);
@@ -259,12 +263,43 @@ __device__ __forceinline__ void epilogue_dlogit(float* d, int64_t r0, int64_t t0
       P.dzz_part[row * P.nt + t0 / 128 + 1] = 0.f;
     }
   }
+  // Stage the dlogit tile in shared memory, then store it twice with 16-byte vectors: row-major
+  // [rows, P] for dH and transposed [P, R] for dW. Rows past the pass hold zeros and stay inside
+  // the R-row buffers, so the stores need no row bound.
+  {
+    const int rl = int(rowA - r0);  // local row of this thread's first row
+    asm volatile("bar.sync 1, 256;\n" ::: "memory");  // previous tile's staging reads are done
+#pragma unroll
+    for (int j = 0; j < 32; ++j) {
+      *reinterpret_cast<uint32_t*>(staging + rl * kStageLd + 8 * j + cq) = pack2<kBf16>(d[4 * j], d[4 * j + 1]);
+      *reinterpret_cast<uint32_t*>(staging + (rl + 8) * kStageLd + 8 * j + cq) = pack2<kBf16>(d[4 * j + 2], d[4 * j + 3]);
+    }
+    asm volatile("bar.sync 1, 256;\n" ::: "memory");
+    const int i = threadIdx.x - 128;  // 0..255
+    uint16_t* dlog = static_cast<uint16_t*>(P.dlog);
+#pragma unroll 4
+    for (int k = 0; k < 16; ++k) {  // 128 rows x 32 vectors
+      const int v = i + 256 * k, row = v / 32, cv = v % 32;
+      *reinterpret_cast<uint4*>(dlog + (r0 + row) * P.ldd + t0 + cv * 8) =
+          *reinterpret_cast<const uint4*>(staging + row * kStageLd + cv * 8);
+    }
+    uint16_t* dlogT = static_cast<uint16_t*>(P.dlogT);
+#pragma unroll 2
+    for (int k = 0; k < 16; ++k) {  // 256 columns x 16 vectors of 8 rows
+      const int col = i, rv = k;
+      uint32_t w[4];
+#pragma unroll
+      for (int q = 0; q < 4; ++q)
+        w[q] = uint32_t(staging[(rv * 8 + 2 * q) * kStageLd + col]) |
+               (uint32_t(staging[(rv * 8 + 2 * q + 1) * kStageLd + col]) << 16);
+      *reinterpret_cast<uint4*>(dlogT + (t0 + col) * P.ldt + r0 + rv * 8) = make_uint4(w[0], w[1], w[2], w[3]);
+    }
+  }
   if (P.db_part != nullptr) {
     // column sums over the CTA's 128 rows in a fixed tree: rows A+B in-thread, lanes with equal
     // lane%4 (xor 4, 8, 16), then the 8 consumer warps in order through shared memory.
-    float* red = reinterpret_cast<float*>(smem);  // [8][256]; the pipeline buffers are idle now
     const int cwarp = threadIdx.x / 32 - 4;      // 0..7
-    // the other consumer warpgroup may still be reading its last stage with wgmma
+    // all consumer threads are done reading the previous unit's sums
     asm volatile("bar.sync 1, 256;\n" ::: "memory");
 #pragma unroll
     for (int j = 0; j < 32; ++j) {
@@ -312,37 +347,54 @@ __device__ __forceinline__ void epilogue_out(const float* d, int64_t t0, const P
   }
 }
 
-template <bool kBf16, int kKind>
-__global__ void __launch_bounds__(kThreads, 1)
-    sm90_kernel(const __grid_constant__ CUtensorMap tmA, const __grid_constant__ CUtensorMap tmB, const Params P) {
-  extern __shared__ __align__(1024) unsigned char smem_raw[];
-  unsigned char* smem = reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
-  const uint32_t sbase = smem_u32(smem);
-  const uint32_t bar_full = sbase + kStages * kStageBytes;  // kStages x 8 bytes
-  const uint32_t bar_empty = bar_full + kStages * 8;
+// One unit of work: a (row tile, column unit) pair; the column unit is a split (forward: walks
+// up to kSplitCols/kBN column tiles) or one 256-column tile (backward).
+struct Unit {
+  int64_t rt, cu, r0, col0, col_end;
+  int ntiles;
+};
 
-  // ---- tile scheduler: grouped raster over (row tile, column unit) ----
-  // column unit = a split (forward: walks up to kSplitCols/kBN tiles) or one 256-column tile.
+// Grouped raster: units are numbered so that kGroupRows row tiles sweep the column units
+// together; CTAs that run at the same time then share H and W tiles in L2.
+template <int kKind> __device__ __forceinline__ Unit unit_of(int64_t L, const Params& P) {
   const int64_t ncu = kKind == kFwdStats ? P.nsplit : P.col_tiles;
-  const int64_t L = blockIdx.x;
   const int64_t per_group = kGroupRows * ncu;
   const int64_t group = L / per_group;
   const int64_t first = group * kGroupRows;
   const int64_t gsize = min(kGroupRows, P.row_tiles - first);
   const int64_t rem = L - group * per_group;
-  const int64_t rt = first + rem % gsize;
-  const int64_t cu = rem / gsize;
-  const int64_t r0 = rt * kBM;
-  int64_t col0, col_end;
+  Unit u;
+  u.rt = first + rem % gsize;
+  u.cu = rem / gsize;
+  u.r0 = u.rt * kBM;
   if (kKind == kFwdStats) {
-    const int64_t c = cu / P.spc, sp = cu % P.spc;
-    col0 = c * P.chunk + sp * kSplitCols;
-    col_end = min(col0 + kSplitCols, (c + 1) * P.chunk);
+    const int64_t c = u.cu / P.spc, sp = u.cu % P.spc;
+    u.col0 = c * P.chunk + sp * kSplitCols;
+    u.col_end = min(u.col0 + kSplitCols, (c + 1) * P.chunk);
   } else {
-    col0 = cu * kBN;
-    col_end = col0 + kBN;
+    u.col0 = u.cu * kBN;
+    u.col_end = u.col0 + kBN;
   }
-  const int ntiles = int((col_end - col0 + kBN - 1) / kBN);
+  u.ntiles = int((u.col_end - u.col0 + kBN - 1) / kBN);
+  return u;
+}
+
+// Persistent: a fixed number of CTAs (kPersistentCtas, a compile-time constant, never the SM
+// count) stride over the units; the producer runs ahead across unit boundaries, so the next
+// unit's loads overlap the current unit's epilogue. Which CTA runs a unit never changes what the
+// unit computes.
+template <bool kBf16, int kKind>
+__global__ void __launch_bounds__(kThreads, 1)
+    sm90_kernel(const __grid_constant__ CUtensorMap tmA, const __grid_constant__ CUtensorMap tmB, const Params P,
+                int64_t nunits) {
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  unsigned char* smem = reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  const uint32_t sbase = smem_u32(smem);
+  constexpr int kStages = stages_of(kKind);
+  const uint32_t bar_full = sbase + kStages * kStageBytes;  // kStages x 8 bytes
+  const uint32_t bar_empty = bar_full + kStages * 8;
+  float* red = reinterpret_cast<float*>(smem + kStages * kStageBytes + 256);  // [8][256] db reduction
+  uint16_t* staging = reinterpret_cast<uint16_t*>(smem + kStages * kStageBytes + 256 + kRedBytes);
   const int KB = P.kblocks;
 
   const int wg = threadIdx.x / 128;
@@ -361,15 +413,18 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (threadIdx.x == 0) {
       int stage = 0;
       uint32_t phase = 0;
-      for (int t = 0; t < ntiles; ++t) {
-        const int32_t tc = int32_t(col0 + int64_t(t) * kBN);
-        for (int kb = 0; kb < KB; ++kb) {
-          mbar_wait(bar_empty + 8 * stage, phase ^ 1);
-          mbar_expect_tx(bar_full + 8 * stage, kStageBytes);
-          const uint32_t sa = sbase + stage * kStageBytes;
-          tma_load_2d(sa, &tmA, kb * kBK, int32_t(r0), bar_full + 8 * stage);
-          tma_load_2d(sa + kABytes, &tmB, kb * kBK, tc, bar_full + 8 * stage);
-          if (++stage == kStages) { stage = 0; phase ^= 1; }
+      for (int64_t L = blockIdx.x; L < nunits; L += gridDim.x) {
+        const Unit u = unit_of<kKind>(L, P);
+        for (int t = 0; t < u.ntiles; ++t) {
+          const int32_t tc = int32_t(u.col0 + int64_t(t) * kBN);
+          for (int kb = 0; kb < KB; ++kb) {
+            mbar_wait(bar_empty + 8 * stage, phase ^ 1);
+            mbar_expect_tx(bar_full + 8 * stage, kStageBytes);
+            const uint32_t sa = sbase + stage * kStageBytes;
+            tma_load_2d(sa, &tmA, kb * kBK, int32_t(u.r0), bar_full + 8 * stage);
+            tma_load_2d(sa + kABytes, &tmB, kb * kBK, tc, bar_full + 8 * stage);
+            if (++stage == kStages) { stage = 0; phase ^= 1; }
+          }
         }
       }
     }
@@ -378,58 +433,59 @@ __global__ void __launch_bounds__(kThreads, 1)
     asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n");
     const int cw = wg - 1;  // consumer warpgroup: rows cw*64 .. cw*64+63
     const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
-    const int64_t rowA = r0 + cw * 64 + warp * 16 + lane / 4, rowB = rowA + 8;
-    float itA = 1.f, itB = 1.f;
-    if (kKind == kFwdStats) {
-      itA = (rowA < P.rows ? P.inv_temp[rowA] : 1.f) * kLog2e;
-      itB = (rowB < P.rows ? P.inv_temp[rowB] : 1.f) * kLog2e;
-    }
-    float run[2][3] = {{-INFINITY, 0.f, 0.f}, {-INFINITY, 0.f, 0.f}};
-    float d[128];
-#pragma unroll
-    for (int i = 0; i < 128; ++i) d[i] = 0.f;
     int stage = 0, prev = 0;
     uint32_t phase = 0;
-    for (int t = 0; t < ntiles; ++t) {
-      for (int kb = 0; kb < KB; ++kb) {
-        mbar_wait(bar_full + 8 * stage, phase);
-        const uint32_t sa = sbase + stage * kStageBytes;
-        const uint64_t da = smem_desc(sa + cw * 64 * 128);
-        const uint64_t db = smem_desc(sa + kABytes);
-        wgmma_fence();
+    float d[128];
+    for (int64_t L = blockIdx.x; L < nunits; L += gridDim.x) {
+      const Unit u = unit_of<kKind>(L, P);
+      const int64_t rowA = u.r0 + cw * 64 + warp * 16 + lane / 4, rowB = rowA + 8;
+      float itA = 1.f, itB = 1.f;
+      if (kKind == kFwdStats) {
+        itA = (rowA < P.rows ? P.inv_temp[rowA] : 1.f) * kLog2e;
+        itB = (rowB < P.rows ? P.inv_temp[rowB] : 1.f) * kLog2e;
+      }
+      float run[2][3] = {{-INFINITY, 0.f, 0.f}, {-INFINITY, 0.f, 0.f}};
+      for (int t = 0; t < u.ntiles; ++t) {
+        for (int kb = 0; kb < KB; ++kb) {
+          mbar_wait(bar_full + 8 * stage, phase);
+          const uint32_t sa = sbase + stage * kStageBytes;
+          const uint64_t da = smem_desc(sa + cw * 64 * 128);
+          const uint64_t db = smem_desc(sa + kABytes);
+          wgmma_fence();
 #pragma unroll
-        for (int k = 0; k < kBK / 16; ++k) wgmma_tile<kBf16>(d, da + 2 * k, db + 2 * k, (kb | k) != 0);
-        wgmma_commit();
-        if (kb > 0) {
-          wgmma_wait<1>();
-          if (lane == 0) mbar_arrive(bar_empty + 8 * prev);
+          for (int k = 0; k < kBK / 16; ++k) wgmma_tile<kBf16>(d, da + 2 * k, db + 2 * k, (kb | k) != 0);
+          wgmma_commit();
+          if (kb > 0) {
+            wgmma_wait<1>();
+            if (lane == 0) mbar_arrive(bar_empty + 8 * prev);
+          }
+          prev = stage;
+          if (++stage == kStages) { stage = 0; phase ^= 1; }
         }
-        prev = stage;
-        if (++stage == kStages) { stage = 0; phase ^= 1; }
+        wgmma_wait<0>();
+        if (lane == 0) mbar_arrive(bar_empty + 8 * prev);
+        const int64_t t0 = u.col0 + int64_t(t) * kBN;
+        if constexpr (kKind == kFwdStats) {
+          if (t0 + kBN <= u.col_end && P.vocab_start + t0 + kBN <= P.real_vocab)
+            epilogue_stats<kBf16, false>(d, t0, u.col_end, P, itA, itB, run);
+          else
+            epilogue_stats<kBf16, true>(d, t0, u.col_end, P, itA, itB, run);
+        } else if constexpr (kKind == kDlogit) {
+          epilogue_dlogit<kBf16>(d, u.r0, t0, u.rt, P, rowA, red, staging);
+        } else {
+          epilogue_out<kBf16>(d, t0, P, rowA);
+        }
       }
-      wgmma_wait<0>();
-      if (lane == 0) mbar_arrive(bar_empty + 8 * prev);
-      const int64_t t0 = col0 + int64_t(t) * kBN;
       if constexpr (kKind == kFwdStats) {
-        if (t0 + kBN <= col_end && P.vocab_start + t0 + kBN <= P.real_vocab)
-          epilogue_stats<kBf16, false>(d, t0, col_end, P, itA, itB, run);
-        else
-          epilogue_stats<kBf16, true>(d, t0, col_end, P, itA, itB, run);
-      } else if constexpr (kKind == kDlogit) {
-        epilogue_dlogit<kBf16>(d, r0, t0, rt, P, rowA, smem);
-      } else {
-        epilogue_out<kBf16>(d, t0, P, rowA);
-      }
-    }
-    if constexpr (kKind == kFwdStats) {
-      if ((lane & 3) == 0) {
-        if (rowA < P.rows) {
-          float* o = P.part + (rowA * P.nsplit + cu) * kStatWidth;
-          o[0] = run[0][0]; o[1] = run[0][1]; o[2] = run[0][2];
-        }
-        if (rowB < P.rows) {
-          float* o = P.part + (rowB * P.nsplit + cu) * kStatWidth;
-          o[0] = run[1][0]; o[1] = run[1][1]; o[2] = run[1][2];
+        if ((lane & 3) == 0) {
+          if (rowA < P.rows) {
+            float* o = P.part + (rowA * P.nsplit + u.cu) * kStatWidth;
+            o[0] = run[0][0]; o[1] = run[0][1]; o[2] = run[0][2];
+          }
+          if (rowB < P.rows) {
+            float* o = P.part + (rowB * P.nsplit + u.cu) * kStatWidth;
+            o[0] = run[1][0]; o[1] = run[1][1]; o[2] = run[1][2];
+          }
         }
       }
     }
@@ -467,12 +523,14 @@ bool make_map(CUtensorMap* m, bool bf16, const void* ptr, int64_t inner, int64_t
 }
 
 template <int kKind>
-const char* launch(bool bf16, const CUtensorMap& ma, const CUtensorMap& mb, const Params& P, int64_t blocks,
+const char* launch_(bool bf16, const CUtensorMap& ma, const CUtensorMap& mb, const Params& P, int64_t blocks,
                    cudaStream_t stream) {
   const auto kern = bf16 ? sm90_kernel<true, kKind> : sm90_kernel<false, kKind>;
+  constexpr int kSmemBytes = smem_of(kKind);
   if (cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes) != cudaSuccess)
     return "rlk cuda: cudaFuncSetAttribute failed (sm90)";
-  kern<<<unsigned(blocks), kThreads, kSmemBytes, stream>>>(ma, mb, P);
+  const int64_t grid = blocks < kPersistentCtas ? blocks : kPersistentCtas;
+  if (grid > 0) kern<<<unsigned(grid), kThreads, kSmemBytes, stream>>>(ma, mb, P, blocks);
   if (cudaGetLastError() != cudaSuccess) return "rlk cuda: sm90 kernel launch failed";
   return nullptr;
 }
@@ -490,7 +548,7 @@ const char* sm90_forward_partials(const Problem& p, const void* hidden, int64_t 
   P.rows = rows; P.chunk = p.chunk; P.spc = splits_per_chunk(p.chunk); P.nsplit = total_splits(p);
   P.vocab_start = p.vocab_start; P.real_vocab = p.real_vocab; P.row_tiles = (rows + kBM - 1) / kBM;
   P.kblocks = int32_t(p.h / kBK); P.bias = p.has_bias ? bias : nullptr; P.inv_temp = inv_temp; P.part = part;
-  return launch<kFwdStats>(bf16, ma, mb, P, P.row_tiles * P.nsplit, stream);
+  return launch_<kFwdStats>(bf16, ma, mb, P, P.row_tiles * P.nsplit, stream);
 }
 
 const char* sm90_dlogit(const Problem& p, const Sm90DlogitArgs& a, cudaStream_t stream) {
@@ -506,7 +564,7 @@ const char* sm90_dlogit(const Problem& p, const Sm90DlogitArgs& a, cudaStream_t 
   P.targets = a.targets; P.lse = a.lse; P.ent = a.ent; P.g = a.g; P.e = a.e; P.p0 = a.p0;
   P.dlog = a.dlog; P.ldd = a.P; P.dlogT = a.dlogT; P.ldt = a.R; P.dzz_part = a.dzz_part; P.nt = a.P / 128;
   P.db_part = a.db_part; P.ignore_index = p.ignore_index;
-  return launch<kDlogit>(bf16, ma, mb, P, P.row_tiles * P.col_tiles, stream);
+  return launch_<kDlogit>(bf16, ma, mb, P, P.row_tiles * P.col_tiles, stream);
 }
 
 const char* sm90_gemm_out(const Problem& p, const void* A, int64_t lda, const void* B, int64_t ldb, int64_t M,
@@ -520,7 +578,7 @@ const char* sm90_gemm_out(const Problem& p, const void* A, int64_t lda, const vo
   P.rows = M; P.ncols = N; P.row_tiles = (M + kBM - 1) / kBM; P.col_tiles = (N + kBN - 1) / kBN;
   P.kblocks = int32_t((K + kBK - 1) / kBK);
   P.outf = outf; P.outT = outT; P.ldo = ldo; P.mode = mode;
-  return launch<kOut>(bf16, ma, mb, P, P.row_tiles * P.col_tiles, stream);
+  return launch_<kOut>(bf16, ma, mb, P, P.row_tiles * P.col_tiles, stream);
 }
 
 }  // namespace rlk::cuda::detail
