@@ -2,8 +2,13 @@
 // capsules (for rlk_xla), the DLPack entry points (for torch_bridge), the canonical chunk rule,
 // workspace sizes and the route counters.
 #include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
+
+#include <optional>
+#include <stdexcept>
 
 #include "rlk/linear_logp.h"
 
@@ -46,6 +51,185 @@ rlk::Problem shape_problem(int64_t n, int64_t h, int64_t v, int64_t chunk, int d
   p.has_bias = has_bias;
   p.with_entropy = with_entropy;
   return p;
+}
+
+// ---- DLPack entry points (torch_bridge) ---------------------------------------------------------
+// Arrays arrive through DLPack (nb::ndarray, no conversion: a wrong dtype or layout is an error,
+// never a silent copy). Outputs and scratch are allocated by the caller (torch's allocator); the
+// CUDA calls run on the caller's stream.
+using Array = nb::ndarray<nb::c_contig>;
+
+rlk::DType dtype_of(const Array& a, const char* name) {
+  const nb::dlpack::dtype t = a.dtype();
+  if (t == nb::dtype<float>()) return rlk::DType::kF32;
+  if (t.code == uint8_t(nb::dlpack::dtype_code::Bfloat) && t.bits == 16) return rlk::DType::kBF16;
+  if (t.code == uint8_t(nb::dlpack::dtype_code::Float) && t.bits == 16) return rlk::DType::kF16;
+  throw std::invalid_argument(std::string("rlk: ") + name + " must be float32, float16 or bfloat16");
+}
+
+void expect(const Array& a, nb::dlpack::dtype t, std::initializer_list<int64_t> shape, int device, const char* name) {
+  bool ok = a.dtype() == t && a.ndim() == shape.size() && a.device_type() == device;
+  size_t i = 0;
+  for (int64_t d : shape) ok = ok && int64_t(a.shape(i++)) == d;
+  if (!ok) throw std::invalid_argument(std::string("rlk: ") + name + " has the wrong dtype, shape or device");
+}
+
+struct Call {
+  rlk::Problem p;
+  int device;
+};
+
+Call make_call(const Array& hidden, const Array& weight, const std::optional<Array>& bias, const Array& targets,
+               const Array& inv_temp, int64_t vocab_start, int64_t real_vocab, int64_t chunk, int64_t ignore_index,
+               bool with_entropy) {
+  Call c;
+  c.device = hidden.device_type();
+  if (c.device != nb::device::cpu::value && c.device != nb::device::cuda::value)
+    throw std::invalid_argument("rlk: tensors must be on the CPU or a CUDA device");
+  if (hidden.ndim() != 2 || weight.ndim() != 2) throw std::invalid_argument("rlk: hidden and weight must be 2-D");
+  rlk::Problem& p = c.p;
+  p.dtype = dtype_of(hidden, "hidden");
+  p.n = int64_t(hidden.shape(0));
+  p.h = int64_t(hidden.shape(1));
+  p.v = int64_t(weight.shape(0));
+  expect(weight, hidden.dtype(), {p.v, p.h}, c.device, "weight");
+  if (bias) expect(*bias, nb::dtype<float>(), {p.v}, c.device, "bias");
+  expect(targets, nb::dtype<int32_t>(), {p.n}, c.device, "targets");
+  expect(inv_temp, nb::dtype<float>(), {p.n}, c.device, "inv_temp");
+  p.vocab_start = vocab_start;
+  p.real_vocab = real_vocab;
+  p.chunk = chunk;
+  p.ignore_index = ignore_index;
+  p.has_bias = bias.has_value();
+  p.with_entropy = with_entropy;
+  if (chunk <= 0 || p.v % chunk != 0) throw std::invalid_argument("rlk: chunk must divide the local vocab");
+  return c;
+}
+
+void check(rlk::Status s) {
+  if (s) throw std::runtime_error(s);
+}
+
+#if RLK_HAVE_CUDA
+rlk::cuda::Workspace workspace_of(const std::optional<Array>& ws, size_t need) {
+  if (need && (!ws || ws->nbytes() < need)) throw std::invalid_argument("rlk: CUDA workspace too small");
+  return ws ? rlk::cuda::Workspace{ws->data(), ws->nbytes()} : rlk::cuda::Workspace{};
+}
+#endif
+
+void dl_forward(Array hidden, Array weight, std::optional<Array> bias, Array targets, Array inv_temp, Array stats,
+                Array target_logit, std::optional<Array> workspace, int64_t vocab_start, int64_t real_vocab,
+                int64_t chunk, int64_t ignore_index, bool with_entropy, uintptr_t stream) {
+  const Call c = make_call(hidden, weight, bias, targets, inv_temp, vocab_start, real_vocab, chunk, ignore_index,
+                           with_entropy);
+  expect(stats, nb::dtype<float>(), {c.p.n, rlk::num_chunks(c.p), rlk::kStatWidth}, c.device, "stats");
+  expect(target_logit, nb::dtype<float>(), {c.p.n}, c.device, "target_logit");
+  rlk::FwdArgs a;
+  a.hidden = hidden.data();
+  a.weight = weight.data();
+  a.bias = bias ? static_cast<const float*>(bias->data()) : nullptr;
+  a.targets = static_cast<const int32_t*>(targets.data());
+  a.inv_temp = static_cast<const float*>(inv_temp.data());
+  a.stats = static_cast<float*>(stats.data());
+  a.target_logit = static_cast<float*>(target_logit.data());
+  if (c.device == nb::device::cpu::value) {
+    nb::gil_scoped_release nogil;
+    rlk::count_call(rlk::Backend::kCpu, false, c.p.n);
+    check(rlk::cpu::forward(c.p, a));
+    return;
+  }
+#if RLK_HAVE_CUDA
+  rlk::Backend ran = rlk::Backend::kCudaPortable;
+  check(rlk::cuda::forward(c.p, a, workspace_of(workspace, rlk::cuda::forward_workspace_bytes(c.p)),
+                           reinterpret_cast<cudaStream_t>(stream), &ran));
+  rlk::count_call(ran, false, c.p.n);
+#else
+  (void)workspace, (void)stream;
+  throw std::invalid_argument("rlk: this build has no CUDA backend");
+#endif
+}
+
+void dl_combine(Array stats, Array target_logit, Array targets, Array logp, Array lse, Array entropy,
+                int64_t real_vocab, int64_t ignore_index, uintptr_t stream) {
+  const int device = stats.device_type();
+  if (stats.ndim() != 3 || stats.shape(2) != size_t(rlk::kStatWidth))
+    throw std::invalid_argument("rlk: stats must be [n, chunks, 3]");
+  rlk::CombineArgs a;
+  a.n = int64_t(stats.shape(0));
+  a.k = int64_t(stats.shape(1));
+  expect(stats, nb::dtype<float>(), {a.n, a.k, rlk::kStatWidth}, device, "stats");
+  expect(target_logit, nb::dtype<float>(), {a.n}, device, "target_logit");
+  expect(targets, nb::dtype<int32_t>(), {a.n}, device, "targets");
+  for (const Array* o : {&logp, &lse, &entropy}) expect(*o, nb::dtype<float>(), {a.n}, device, "combine output");
+  a.real_vocab = real_vocab;
+  a.ignore_index = ignore_index;
+  a.stats = static_cast<const float*>(stats.data());
+  a.target_logit = static_cast<const float*>(target_logit.data());
+  a.targets = static_cast<const int32_t*>(targets.data());
+  a.logp = static_cast<float*>(logp.data());
+  a.lse = static_cast<float*>(lse.data());
+  a.entropy = static_cast<float*>(entropy.data());
+  if (device == nb::device::cpu::value) {
+    nb::gil_scoped_release nogil;
+    check(rlk::cpu::combine(a));
+    return;
+  }
+#if RLK_HAVE_CUDA
+  check(rlk::cuda::combine(a, reinterpret_cast<cudaStream_t>(stream)));
+#else
+  (void)stream;
+  throw std::invalid_argument("rlk: this build has no CUDA backend");
+#endif
+}
+
+void dl_backward(Array hidden, Array weight, std::optional<Array> bias, Array targets, Array inv_temp, Array lse,
+                 std::optional<Array> entropy, Array g, std::optional<Array> e, Array dhidden, Array dweight,
+                 std::optional<Array> dbias, Array dzz, std::optional<Array> workspace, int64_t vocab_start,
+                 int64_t real_vocab, int64_t chunk, int64_t ignore_index, uintptr_t stream) {
+  const bool with_entropy = entropy.has_value() && e.has_value();
+  const Call c = make_call(hidden, weight, bias, targets, inv_temp, vocab_start, real_vocab, chunk, ignore_index,
+                           with_entropy);
+  const rlk::Problem& p = c.p;
+  expect(lse, nb::dtype<float>(), {p.n}, c.device, "lse");
+  expect(g, nb::dtype<float>(), {p.n}, c.device, "g");
+  if (with_entropy) {
+    expect(*entropy, nb::dtype<float>(), {p.n}, c.device, "entropy");
+    expect(*e, nb::dtype<float>(), {p.n}, c.device, "e");
+  }
+  expect(dhidden, nb::dtype<float>(), {p.n, p.h}, c.device, "dhidden");
+  expect(dweight, hidden.dtype(), {p.v, p.h}, c.device, "dweight");
+  if (bias && !dbias) throw std::invalid_argument("rlk: dbias is required with bias");
+  if (dbias) expect(*dbias, nb::dtype<float>(), {p.v}, c.device, "dbias");
+  expect(dzz, nb::dtype<float>(), {p.n}, c.device, "dzz");
+  rlk::BwdArgs a;
+  a.hidden = hidden.data();
+  a.weight = weight.data();
+  a.bias = bias ? static_cast<const float*>(bias->data()) : nullptr;
+  a.targets = static_cast<const int32_t*>(targets.data());
+  a.inv_temp = static_cast<const float*>(inv_temp.data());
+  a.lse = static_cast<const float*>(lse.data());
+  a.entropy = with_entropy ? static_cast<const float*>(entropy->data()) : nullptr;
+  a.g = static_cast<const float*>(g.data());
+  a.e = with_entropy ? static_cast<const float*>(e->data()) : nullptr;
+  a.dhidden = static_cast<float*>(dhidden.data());
+  a.dweight = dweight.data();
+  a.dbias = (bias && dbias) ? static_cast<float*>(dbias->data()) : nullptr;
+  a.dzz = static_cast<float*>(dzz.data());
+  if (c.device == nb::device::cpu::value) {
+    nb::gil_scoped_release nogil;
+    rlk::count_call(rlk::Backend::kCpu, true, p.n);
+    check(rlk::cpu::backward(p, a));
+    return;
+  }
+#if RLK_HAVE_CUDA
+  rlk::Backend ran = rlk::Backend::kCudaPortable;
+  check(rlk::cuda::backward(p, a, workspace_of(workspace, rlk::cuda::backward_workspace_bytes(p)),
+                            reinterpret_cast<cudaStream_t>(stream), &ran));
+  rlk::count_call(ran, true, p.n);
+#else
+  (void)workspace, (void)stream;
+  throw std::invalid_argument("rlk: this build has no CUDA backend");
+#endif
 }
 
 }  // namespace
@@ -102,4 +286,22 @@ NB_MODULE(_rlk_core, m) {
     return out;
   });
   m.def("reset_route_counts", &rlk::reset_counts);
+
+  m.def("forward", &dl_forward, nb::arg("hidden").noconvert(), nb::arg("weight").noconvert(),
+        nb::arg("bias").noconvert().none(), nb::arg("targets").noconvert(), nb::arg("inv_temp").noconvert(),
+        nb::arg("stats").noconvert(), nb::arg("target_logit").noconvert(), nb::arg("workspace").noconvert().none(),
+        nb::arg("vocab_start"), nb::arg("real_vocab"), nb::arg("chunk"), nb::arg("ignore_index"),
+        nb::arg("with_entropy"), nb::arg("stream"),
+        "Forward statistics into caller-allocated stats [n, v/chunk, 3] and target_logit [n] (DLPack).");
+  m.def("combine", &dl_combine, nb::arg("stats").noconvert(), nb::arg("target_logit").noconvert(),
+        nb::arg("targets").noconvert(), nb::arg("logp").noconvert(), nb::arg("lse").noconvert(),
+        nb::arg("entropy").noconvert(), nb::arg("real_vocab"), nb::arg("ignore_index"), nb::arg("stream"),
+        "Combine all chunks' statistics into logp, lse, entropy (DLPack).");
+  m.def("backward", &dl_backward, nb::arg("hidden").noconvert(), nb::arg("weight").noconvert(),
+        nb::arg("bias").noconvert().none(), nb::arg("targets").noconvert(), nb::arg("inv_temp").noconvert(),
+        nb::arg("lse").noconvert(), nb::arg("entropy").noconvert().none(), nb::arg("g").noconvert(),
+        nb::arg("e").noconvert().none(), nb::arg("dhidden").noconvert(), nb::arg("dweight").noconvert(),
+        nb::arg("dbias").noconvert().none(), nb::arg("dzz").noconvert(), nb::arg("workspace").noconvert().none(),
+        nb::arg("vocab_start"), nb::arg("real_vocab"), nb::arg("chunk"), nb::arg("ignore_index"), nb::arg("stream"),
+        "Backward into caller-allocated dhidden f32, dweight, dbias f32, dzz f32 (DLPack).");
 }
