@@ -71,7 +71,7 @@ template <typename T> const T* cptr(const void* p) { return static_cast<const T*
 // owns columns l*4 .. l*4+3 of each. Every row sees the identical reduction tree.
 template <typename T>
 __global__ void __launch_bounds__(kThreads) fwd_split_kernel(
-    const T* __restrict__ hidden, const T* __restrict__ weight, const T* __restrict__ bias,
+    const T* __restrict__ hidden, const T* __restrict__ weight, const float* __restrict__ bias,
     const float* __restrict__ inv_temp, float* __restrict__ part, int64_t rows, int64_t h,
     int64_t chunk, int64_t spc, int64_t nsplit, int64_t vocab_start, int64_t real_vocab) {
   extern __shared__ __align__(128) unsigned char smem[];
@@ -99,7 +99,7 @@ __global__ void __launch_bounds__(kThreads) fwd_split_kernel(
     for (int e = 0; e < 4; ++e) {
       const int64_t col = t0 + lane * 4 + e;
       live[e] = col < col_end && vocab_start + col < real_vocab;
-      bcol[e] = (bias != nullptr && col < col_end) ? to_f(bias[col]) : 0.f;
+      bcol[e] = (bias != nullptr && col < col_end) ? bias[col] : 0.f;
     }
 #pragma unroll
     for (int rr = 0; rr < 16; ++rr) {
@@ -158,7 +158,7 @@ __global__ void finalize_kernel(const float* __restrict__ part, float* __restric
 // z_t per row by one warp: fixed-order dot product (lane-strided, then a butterfly).
 template <typename T>
 __global__ void target_logit_kernel(const T* __restrict__ hidden, const T* __restrict__ weight,
-                                    const T* __restrict__ bias, const int32_t* __restrict__ targets,
+                                    const float* __restrict__ bias, const int32_t* __restrict__ targets,
                                     const float* __restrict__ inv_temp, float* __restrict__ out, int64_t n,
                                     int64_t h, int64_t v, int64_t vocab_start, int64_t real_vocab,
                                     int64_t ignore_index) {
@@ -177,7 +177,7 @@ __global__ void target_logit_kernel(const T* __restrict__ hidden, const T* __res
   float acc = 0.f;
   for (int64_t k = lane; k < h; k += 32) acc = fmaf(to_f(hr[k]), to_f(wr[k]), acc);
   acc = warp_sum(acc);
-  if (lane == 0) out[row] = (acc + (bias ? to_f(bias[loc]) : 0.f)) * inv_temp[row];
+  if (lane == 0) out[row] = (acc + (bias ? bias[loc] : 0.f)) * inv_temp[row];
 }
 
 __global__ void combine_kernel(CombineArgs a) {
@@ -274,7 +274,7 @@ Status transpose16(const void* in, int64_t rows, int64_t cols, int64_t ld_in, vo
 // dzz partials [row, tile] and db partials [row tile, column].
 template <typename T>
 __global__ void __launch_bounds__(kThreads) dlogit_kernel(
-    const T* __restrict__ hidden, const T* __restrict__ weight, const T* __restrict__ bias,
+    const T* __restrict__ hidden, const T* __restrict__ weight, const float* __restrict__ bias,
     const int32_t* __restrict__ targets, const float* __restrict__ inv_temp, const float* __restrict__ lse,
     const float* __restrict__ ent, const float* __restrict__ g, const float* __restrict__ e,
     T* __restrict__ dlog, float* __restrict__ dzz_part, float* __restrict__ db_part, int64_t rn, int64_t h,
@@ -295,7 +295,7 @@ __global__ void __launch_bounds__(kThreads) dlogit_kernel(
   for (int q = 0; q < 4; ++q) {
     const int64_t col = tl * kBN + lane * 4 + q;  // within the piece
     live[q] = col < pw && vocab_start + p0 + col < real_vocab;
-    bcol[q] = (bias != nullptr && col < pw) ? to_f(bias[p0 + col]) : 0.f;
+    bcol[q] = (bias != nullptr && col < pw) ? bias[p0 + col] : 0.f;
   }
   float dbacc[4] = {0.f, 0.f, 0.f, 0.f};
   for (int rr = 0; rr < 16; ++rr) {
@@ -320,8 +320,8 @@ __global__ void __launch_bounds__(kThreads) dlogit_kernel(
 #pragma unroll
     for (int q = 0; q < 4; ++q) {
       dl[q] = 0.f;
-      if (valid && live[q]) {
-        const float z = (av[q] + bcol[q]) * it;
+      const float z = (av[q] + bcol[q]) * it;
+      if (valid && live[q] && z > -INFINITY) {  // a -inf logit (bias mask) is padding
         const float dz = dz_of(z, tloc == lane * 4 + q, l, en, gg, ee);
         zz = fmaf(dz, z, zz);
         dl[q] = dz * it;
@@ -410,7 +410,7 @@ template <typename K> cudaError_t set_smem(K kernel, size_t bytes) {
 
 template <typename T>
 Status forward_portable_partials(const Problem& p, const T* hidden, int64_t rows, const T* weight,
-                                 const T* bias, const float* inv_temp, float* part, cudaStream_t st) {
+                                 const float* bias, const float* inv_temp, float* part, cudaStream_t st) {
   constexpr size_t smem = GemmSmem<T, true, true>::BYTES;
   // Set on every call (cheap, host-only, legal under stream capture): the attribute is per device.
   if (set_smem(fwd_split_kernel<T>, smem) != cudaSuccess) return "rlk cuda: cudaFuncSetAttribute failed (forward)";
@@ -428,7 +428,7 @@ Status forward_t(const Problem& p, const FwdArgs& a, Workspace ws, cudaStream_t 
   if (ran) *ran = be;
   const T* H = cptr<T>(a.hidden);
   const T* W = cptr<T>(a.weight);
-  const T* B = p.has_bias ? cptr<T>(a.bias) : nullptr;
+  const float* B = p.has_bias ? a.bias : nullptr;
   const int64_t R = fwd_rows_per_pass(p);
   const int64_t K = num_chunks(p);
   float* part = static_cast<float*>(ws.ptr);
@@ -437,7 +437,7 @@ Status forward_t(const Problem& p, const FwdArgs& a, Workspace ws, cudaStream_t 
     Status s = nullptr;
 #if RLK_HAVE_SM90
     if (be == Backend::kCudaSm90) {
-      s = sm90_forward_partials(p, H + r0 * p.h, rows, a.weight, a.bias, a.inv_temp + r0, part, st);
+      s = sm90_forward_partials(p, H + r0 * p.h, rows, a.weight, B, a.inv_temp + r0, part, st);
       if (s == kSm90Misaligned) {  // TMA needs 16-byte aligned bases: the portable kernel takes it
         be = Backend::kCudaPortable;
         if (ran) *ran = be;
@@ -475,7 +475,7 @@ Status backward_t(const Problem& p, const BwdArgs& a, Workspace ws, cudaStream_t
   float* dwacc = reinterpret_cast<float*>(base + L.off_dwacc);
   const T* H = cptr<T>(a.hidden);
   const T* W = cptr<T>(a.weight);
-  const T* B = p.has_bias ? cptr<T>(a.bias) : nullptr;
+  const float* B = p.has_bias ? a.bias : nullptr;
   T* dW = static_cast<T*>(a.dweight);
   const float* ent = p.with_entropy ? a.entropy : nullptr;
   const float* e = p.with_entropy ? a.e : nullptr;
@@ -554,7 +554,7 @@ Status backward_sm90(const Problem& p, const BwdArgs& a, Workspace ws, cudaStrea
   const size_t eb = dtype_bytes(p.dtype);
   const unsigned char* H = static_cast<const unsigned char*>(a.hidden);
   const unsigned char* W = static_cast<const unsigned char*>(a.weight);
-  const unsigned char* B = p.has_bias ? static_cast<const unsigned char*>(a.bias) : nullptr;
+  const float* B = p.has_bias ? a.bias : nullptr;
   unsigned char* dW = static_cast<unsigned char*>(a.dweight);
   const float* ent = p.with_entropy ? a.entropy : nullptr;
   const float* e = p.with_entropy ? a.e : nullptr;
@@ -572,7 +572,7 @@ Status backward_sm90(const Problem& p, const BwdArgs& a, Workspace ws, cudaStrea
       if (npass > 1)
         if (Status s = transpose16(H + r0 * p.h * eb, rn, p.h, p.h, ht, L.R, st)) return s;
       Sm90DlogitArgs d{};
-      d.hidden = H + r0 * p.h * eb; d.weight = W + p0 * p.h * eb; d.bias = B ? B + p0 * eb : nullptr;
+      d.hidden = H + r0 * p.h * eb; d.weight = W + p0 * p.h * eb; d.bias = B ? B + p0 : nullptr;
       d.targets = a.targets + r0; d.inv_temp = a.inv_temp + r0; d.lse = a.lse + r0;
       d.ent = ent ? ent + r0 : nullptr; d.g = a.g + r0; d.e = e ? e + r0 : nullptr;
       d.rn = rn; d.pw = pw; d.p0 = p0; d.P = L.P; d.R = L.R;

@@ -110,7 +110,7 @@ struct DevBuf {
 // ---- one run of forward + combine (+ backward) ---------------------------------------------------
 struct Inputs {
   Problem p;
-  const void* hidden; const void* weight; const void* bias;
+  const void* hidden; const void* weight; const float* bias;
   const int32_t* targets; const float* inv_temp; const float* g; const float* e;
 };
 struct Outputs {
@@ -190,10 +190,13 @@ static void run_case(const Case& c, uint64_t seed) {
   p.chunk = canonical_chunk(c.v); p.ignore_index = -100; p.dtype = c.dt;
   p.has_bias = c.bias; p.with_entropy = c.entropy;
   const size_t eb = dtype_bytes(c.dt);
-  DevBuf H(size_t(c.n) * c.h * eb), W(size_t(c.v) * c.h * eb), B(c.v * eb), T(c.n * 4), IT(c.n * 4), G(c.n * 4), E(c.n * 4);
+  DevBuf H(size_t(c.n) * c.h * eb), W(size_t(c.v) * c.h * eb), B(c.v * 4), T(c.n * 4), IT(c.n * 4), G(c.n * 4), E(c.n * 4);
   dev_fill(c.dt, H.p, c.n * c.h, seed + 1, 1.f);
   dev_fill(c.dt, W.p, c.v * c.h, seed + 2, 1.f / std::sqrt(double(c.h)));
-  dev_fill(c.dt, B.p, c.v, seed + 3, 0.5f);
+  dev_fill(DType::kF32, B.p, c.v, seed + 3, 0.5f);
+  // a frontend may mask columns through the (f32) bias: two -inf columns behave as padding
+  const int64_t masked[2] = {5 % c.v, (c.v / 2 + 3) % c.v};
+  if (c.bias) for (int64_t j : masked) { const float ninf = -INFINITY; CK(cudaMemcpy(B.as<float>() + j, &ninf, 4, cudaMemcpyHostToDevice)); }
   fill_uniform_f32<<<256, 256>>>(IT.as<float>(), c.n, seed + 4, 0.5f, 2.0f);
   dev_fill(DType::kF32, G.p, c.n, seed + 5, 1.f);
   dev_fill(DType::kF32, E.p, c.n, seed + 6, 1.f);
@@ -202,9 +205,10 @@ static void run_case(const Case& c, uint64_t seed) {
   srand(unsigned(seed));
   for (int64_t i = 0; i < c.n; ++i) tg[i] = (i % 7 == 3) ? -100 : int32_t(((uint64_t(rand()) << 16) ^ rand()) % p.real_vocab);
   if (c.n > 2) tg[1] = int32_t(p.real_vocab - 1);  // the last real id
+  if (c.bias) for (auto& t : tg) if (t == masked[0] || t == masked[1]) t = int32_t((t + 1) % p.real_vocab);
   CK(cudaMemcpy(T.p, tg.data(), c.n * 4, cudaMemcpyHostToDevice));
 
-  Inputs in{p, H.p, W.p, c.bias ? B.p : nullptr, T.as<int32_t>(), IT.as<float>(), G.as<float>(), E.as<float>()};
+  Inputs in{p, H.p, W.p, c.bias ? B.as<float>() : nullptr, T.as<int32_t>(), IT.as<float>(), G.as<float>(), E.as<float>()};
   Outputs o = run_once(in, c.bwd);
 
   // host copies of the rounded operands
@@ -215,7 +219,7 @@ static void run_case(const Case& c, uint64_t seed) {
     for (size_t i = 0; i < hh.size(); ++i) hh[i] = h2f(c.dt, raw.data(), i);
     CK(cudaMemcpy(raw.data(), W.p, size_t(c.v) * c.h * eb, cudaMemcpyDeviceToHost));
     for (size_t i = 0; i < ww.size(); ++i) ww[i] = h2f(c.dt, raw.data(), i);
-    if (c.bias) { CK(cudaMemcpy(raw.data(), B.p, c.v * eb, cudaMemcpyDeviceToHost)); for (int64_t i = 0; i < c.v; ++i) bb[i] = h2f(c.dt, raw.data(), i); }
+    if (c.bias) CK(cudaMemcpy(bb.data(), B.p, c.v * 4, cudaMemcpyDeviceToHost));
   }
   std::vector<float> it = IT.get<float>(c.n), gg = G.get<float>(c.n), ee = E.get<float>(c.n);
 
@@ -295,6 +299,7 @@ static void run_case(const Case& c, uint64_t seed) {
         for (int64_t i = 0; i < c.n; ++i) {
           if (tg[i] == -100) continue;
           const double z = zval(i, j), lse = o.lse[i], ent = c.entropy ? o.ent[i] : 0.0;
+          if (!(z > -INFINITY)) continue;
           const double pj = std::exp(z - lse);
           const double dz = gg[i] * ((j == tg[i] ? 1.0 : 0.0) - pj) + (c.entropy ? ee[i] : 0.0) * pj * (lse - ent - z);
           const double dl = dz * it[i];
@@ -355,7 +360,7 @@ static void run_case(const Case& c, uint64_t seed) {
     const int64_t half = c.v / 2, K = num_chunks(p);
     s.p.v = half; s.p.vocab_start = half;
     s.weight = (const uint8_t*)in.weight + half * c.h * eb;
-    if (in.bias) s.bias = (const uint8_t*)in.bias + half * eb;
+    if (in.bias) s.bias = in.bias + half;
     Outputs os = run_once(s, false);
     bool t = true;
     for (int64_t i = 0; i < c.n; ++i)

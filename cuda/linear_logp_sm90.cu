@@ -113,11 +113,6 @@ template <bool kBf16> __device__ __forceinline__ void wgmma_tile(float* d, uint6
   else { RLK_WGMMA_M64N256K16("f16"); }
 }
 
-template <bool kBf16> __device__ __forceinline__ float load_bias(const void* b, int64_t col) {
-  const uint16_t raw = static_cast<const uint16_t*>(b)[col];
-  if constexpr (kBf16) return __uint_as_float(uint32_t(raw) << 16);
-  else { __half_raw hr; hr.x = raw; return __half2float(__half(hr)); }
-}
 
 enum Kind : int { kFwdStats = 0, kDlogit = 1, kOut = 2 };
 
@@ -130,7 +125,7 @@ struct Params {
   // forward split walk
   int64_t chunk, spc, nsplit;
   int64_t vocab_start, real_vocab;
-  const void* bias;  // forward: bias of local column 0; dlogit: bias of the piece's column 0
+  const float* bias;  // f32; forward: of local column 0; dlogit: of the piece's column 0
   const float* inv_temp;
   float* part;
   // dlogit
@@ -175,7 +170,7 @@ __device__ __forceinline__ void epilogue_stats(float* d, int64_t t0, int64_t col
       const int64_t col = t0 + 8 * j + cq + e;
       bool live = true;
       if constexpr (kMask) live = col < col_end && P.vocab_start + col < P.real_vocab;
-      const float b = (P.bias != nullptr && (!kMask || col < col_end)) ? load_bias<kBf16>(P.bias, col) : 0.f;
+      const float b = (P.bias != nullptr && (!kMask || col < col_end)) ? P.bias[col] : 0.f;
       d[4 * j + e] = live ? (d[4 * j + e] + b) * itA : -INFINITY;
       d[4 * j + 2 + e] = live ? (d[4 * j + 2 + e] + b) * itB : -INFINITY;
       mx[0] = fmaxf(mx[0], d[4 * j + e]);
@@ -196,7 +191,7 @@ __device__ __forceinline__ void epilogue_stats(float* d, int64_t t0, int64_t col
       const int r = q >> 1;
       float t = d[4 * j + q] - mref[r];
       const float ex = ex2(t);
-      if constexpr (kMask) t = ex > 0.f ? t : 0.f;  // masked: -inf * 0
+      t = ex > 0.f ? t : 0.f;  // -inf logits (masked, padding, or a -inf bias): 0, not -inf * 0
       s[r] += ex;
       a[r] = fmaf(ex, t, a[r]);
     }
@@ -221,7 +216,7 @@ __device__ __forceinline__ void epilogue_dlogit(float* d, int64_t r0, int64_t t0
   // live columns of this tile: [0, lim) relative to t0 (piece end and padding)
   int64_t lim64 = min(P.ncols, P.real_vocab - P.vocab_start - P.p0) - t0;
   const int lim = int(max(int64_t(0), min(lim64, int64_t(kBN))));
-  const uint16_t* bias = static_cast<const uint16_t*>(P.bias);
+  const float* bias = P.bias;
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int64_t row = rowA + 8 * r;
@@ -245,9 +240,9 @@ __device__ __forceinline__ void epilogue_dlogit(float* d, int64_t r0, int64_t t0
       for (int e = 0; e < 2; ++e) {
         const int c = 8 * j + cq + e;  // column relative to t0
         float dl = 0.f;
-        if (c < rlim) {
-          const float b = bias != nullptr ? load_bias<kBf16>(bias, t0 + c) : 0.f;
-          const float z = (d[4 * j + 2 * r + e] + b) * it;
+        const float b = (bias != nullptr && c < rlim) ? bias[t0 + c] : 0.f;
+        const float z = (d[4 * j + 2 * r + e] + b) * it;
+        if (c < rlim && z > -INFINITY) {  // a -inf logit (bias mask) is padding
           const float dz = dz_of(z, c == tl, l, en, gg, ee);
           dzz[r] = fmaf(dz, z, dzz[r]);
           dl = dz * it;
@@ -537,7 +532,7 @@ const char* launch_(bool bf16, const CUtensorMap& ma, const CUtensorMap& mb, con
 }  // namespace
 
 const char* sm90_forward_partials(const Problem& p, const void* hidden, int64_t rows, const void* weight,
-                                  const void* bias, const float* inv_temp, float* part, cudaStream_t stream) {
+                                  const float* bias, const float* inv_temp, float* part, cudaStream_t stream) {
   if ((reinterpret_cast<uintptr_t>(hidden) | reinterpret_cast<uintptr_t>(weight)) & 15) return kSm90Misaligned;
   if (const char* e = ensure_encode()) return e;
   const bool bf16 = p.dtype == DType::kBF16;

@@ -43,7 +43,7 @@ extern const char* const kSm90Misaligned;  // returned when TMA cannot take the 
 // The Hopper forward: fills part[rows, total_splits, 3] for rows [0, rows) of the given hidden
 // pointer (already offset to the pass's first row). Returns nullptr or a static error.
 const char* sm90_forward_partials(const Problem& p, const void* hidden, int64_t rows,
-                                  const void* weight, const void* bias, const float* inv_temp,
+                                  const void* weight, const float* bias, const float* inv_temp,
                                   float* part, cudaStream_t stream);
 constexpr int64_t kSm90HMultiple = 64;
 
@@ -51,7 +51,7 @@ constexpr int64_t kSm90HMultiple = 64;
 struct Sm90DlogitArgs {
   const void* hidden;   // pass's first row, [rn, h]
   const void* weight;   // piece's first vocab row, [pw, h]
-  const void* bias;     // piece's first column or null
+  const float* bias;    // piece's first column (f32) or null
   const int32_t* targets; const float *inv_temp, *lse, *ent, *g, *e;  // pass-offset; ent/e may be null
   int64_t rn, pw, p0, P, R;
   void* dlog;   // [rn, P] dtype
