@@ -2,6 +2,8 @@ import os
 
 # Eight CPU devices for the shard_map tests; must happen before jax creates its backends.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+# On a GPU machine JAX and torch tests share the device: no up-front 75% allocation by XLA.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import jax  # noqa: E402
 

@@ -1,0 +1,82 @@
+"""rlk_xla on a CUDA GPU (marked gpu; skipped without one): the CUDA kernels against the float64
+oracle at odd shapes, bitwise determinism and batch invariance, N*V > 2^31, and the route taken."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import rlk_xla
+import oracle
+from helpers import make_inputs, value_and_grads
+
+
+def _gpus():
+    try:
+        return jax.devices("gpu")
+    except RuntimeError:
+        return []
+
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _gpus(), reason="no CUDA GPU visible to jax")]
+
+
+def on_gpu(d, kw, g, e):
+    put = lambda x: jax.device_put(x, _gpus()[0]) if hasattr(x, "shape") else x
+    return {k: put(v) for k, v in d.items()}, {k: put(v) for k, v in kw.items()}, put(g), put(e)
+
+
+# Odd shapes: N in {1, 3, 127, 4097}; V = 151936 and 56104 (canonical chunk 7013, a multiple of
+# no tile); every dtype; bias, per-token temperature, ignore rows, padded vocab.
+CASES = [
+    (1, 2048, 151936, "bfloat16", dict(bias=True, temp="array", ignore_frac=0.0, real_vocab=None)),
+    (3, 256, 56104, "float16", dict(bias=False, temp="scalar", ignore_frac=0.0, real_vocab=56104 - 129)),
+    (127, 2048, 56104, "float32", dict(bias=True, temp="array", ignore_frac=0.1, real_vocab=56104 - 129)),
+    (127, 256, 151936, "bfloat16", dict(bias=True, temp="array", ignore_frac=0.1, real_vocab=151000)),
+    (4097, 256, 56104, "bfloat16", dict(bias=False, temp="array", ignore_frac=0.1, real_vocab=56104 - 129)),
+    (4097, 128, 56104, "float16", dict(bias=True, temp="scalar", ignore_frac=0.1, real_vocab=None)),
+]
+
+
+@pytest.mark.parametrize("n,h,v,dtype,o", CASES, ids=str)
+def test_cuda_against_float64_oracle(n, h, v, dtype, o):
+    d, kw, g, e = on_gpu(*make_inputs(n + h, n, h, v, dtype, **o))
+    rlk_xla.reset_route_stats()
+    logp, ent, grads = value_and_grads(lambda *a, **k: rlk_xla.linear_logp(*a, mode="strict", **k), d, kw, g, e)
+    routes = rlk_xla.route_stats()["backends"]
+    assert routes["cuda_sm90"]["fwd_calls"] + routes["cuda_portable"]["fwd_calls"] == 1, routes
+    ref = oracle.linear_logp(d["hidden"], d["weight"], d["targets"], bias=kw.get("bias"),
+                             temperature=kw["temperature"], real_vocab=o["real_vocab"], g=g, e=e)
+    assert oracle.rel_err(logp[~np.isnan(ref["logp"])], ref["logp"][~np.isnan(ref["logp"])]) <= 2e-5
+    oracle.assert_values(logp, ref["logp"], "logp")
+    oracle.assert_values(ent, ref["entropy"], "entropy")
+    oracle.assert_grad(grads["hidden"], ref["dh"], dtype, "d hidden", ref["dh_abs"])
+    oracle.assert_grad(grads["weight"], ref["dw"], dtype, "d weight", ref["dw_abs"])
+    if "bias" in grads:
+        oracle.assert_grad(grads["bias"], ref["db"], dtype, "d bias", ref["db_abs"])
+
+
+def test_cuda_bitwise_repeat_and_batch_invariance():
+    d, kw, g, e = on_gpu(*make_inputs(1, 300, 2048, 75968, "bfloat16", bias=True, temp="array", ignore_frac=0.1))
+    f = jax.jit(lambda h, w, t, b, T: rlk_xla.linear_logp(h, w, t, bias=b, temperature=T, return_entropy=True))
+    gf = jax.jit(jax.grad(lambda h, w, t, b, T: jnp.sum(f(h, w, t, b, T)[0] * 1.7), argnums=(0, 1)))
+    args = (d["hidden"], d["weight"], d["targets"], kw["bias"], kw["temperature"])
+    a, b = f(*args), f(*args)
+    ga, gb = gf(*args), gf(*args)
+    for x, y in zip(a + ga, b + gb):
+        np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(y, np.float32))
+    rows = slice(37, 160)
+    sub = (d["hidden"][rows], d["weight"], d["targets"][rows], kw["bias"], kw["temperature"][rows])
+    s = f(*sub)
+    np.testing.assert_array_equal(np.asarray(s[0]), np.asarray(a[0])[rows])
+    np.testing.assert_array_equal(np.asarray(s[1]), np.asarray(a[1])[rows])
+    np.testing.assert_array_equal(np.asarray(gf(*sub)[0], np.float32), np.asarray(ga[0], np.float32)[rows])
+
+
+def test_cuda_n_times_v_above_2_pow_31():
+    n, h, v = 16384, 256, 151936
+    assert n * v > 2 ** 31
+    d, kw, g, e = on_gpu(*make_inputs(2, n, h, v, "bfloat16", temp=None))
+    logp = np.asarray(jax.jit(lambda a, b, t: rlk_xla.linear_logp(a, b, t, mode="strict"))(d["hidden"], d["weight"], d["targets"]))
+    rows = np.r_[0:64, n - 64:n]
+    ref = oracle.linear_logp(np.asarray(d["hidden"])[rows], d["weight"], np.asarray(d["targets"])[rows])
+    oracle.assert_values(logp[rows], ref["logp"], "logp at rows past 2^31 / V")
