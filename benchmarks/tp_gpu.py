@@ -27,6 +27,7 @@ import rlk_xla  # noqa: E402
 from rlk_xla._compat import shard_map  # noqa: E402
 
 # (name, tokens, hidden, vocab per rank at the TP degree of the run)
+OUT_DIR = "."
 SHAPES = {"T3": (6827, 2048, 75968), "Q8B-tp4": (4096, 4096, 37984)}
 
 
@@ -59,6 +60,7 @@ def run_shape(name, n, hd, v_local, tp, mesh):
     lp1, en1 = jax.jit(one)(h1, w1)
     lpp, enp = jax.jit(par)(hs, ws)
     out["logp_bitwise_tp1_vs_tp"] = bool(np.array_equal(np.asarray(lp1), np.asarray(lpp)))
+    np.save(os.path.join(OUT_DIR, f"tp_jax_{name}_logp.npy"), np.asarray(lpp))
     out["entropy_bitwise_tp1_vs_tp"] = bool(np.array_equal(np.asarray(en1), np.asarray(enp)))
 
     loss1 = lambda h, w: jnp.sum(one(h, w)[0] * g1)
@@ -102,6 +104,8 @@ def main():
     ap.add_argument("--out", default=".")
     ap.add_argument("--shapes", default=",".join(SHAPES))
     args = ap.parse_args()
+    global OUT_DIR
+    OUT_DIR = args.out
     devs = jax.devices()
     tp = len(devs)
     mesh = Mesh(np.array(devs), ("tp",))

@@ -1,0 +1,107 @@
+"""Vocab-parallel torch_bridge.linear_logp over NCCL, one process per GPU (torchrun).
+
+    torchrun --nproc_per_node 2 benchmarks/tp_torch.py --out $OUT
+
+Every rank builds the same inputs as benchmarks/tp_gpu.py (numpy seed 0) and holds its vocab
+shard. Rank 0 also runs TP = 1 on the full weight. Checks: logp/entropy bitwise across TP = 1
+and TP = world, dH against TP = 1; times TP forward and forward+backward per rank, and the
+share of the statistics exchange (the same all-reduces alone). Writes tp_torch.json and the
+TP logp of each shape (tp_torch_<shape>_logp.npy) for the cross-frontend comparison.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+for k, v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"), ("NVSHMEM_DISABLE_NVLS", "1")):
+    os.environ[k] = v
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from triton.testing import do_bench  # noqa: E402
+
+import _rlk_core  # noqa: E402
+import torch_bridge  # noqa: E402
+
+SHAPES = {"T3": (6827, 2048, 75968), "Q8B-tp4": (4096, 4096, 37984)}
+
+
+def inputs(n, hd, v):
+    """The same arrays as benchmarks/tp_gpu.py."""
+    r = np.random.default_rng(0)
+    h = torch.from_numpy(r.standard_normal((n, hd)).astype(np.float32)).bfloat16()
+    w = torch.from_numpy((r.standard_normal((v, hd)) / np.sqrt(hd)).astype(np.float32)).bfloat16()
+    t = torch.from_numpy(np.where(r.random(n) < 0.05, -100, r.integers(0, v, n)).astype(np.int64))
+    g = torch.from_numpy(r.standard_normal(n).astype(np.float32))
+    return h, w, t, g
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=".")
+    args = ap.parse_args()
+    dist.init_process_group("nccl")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.cuda.set_device(rank)
+    dev = torch.device("cuda", rank)
+    rows = []
+    for name, (n, hd, v_local) in SHAPES.items():
+        v = v_local * world
+        h, w, t, g = (x.to(dev) for x in inputs(n, hd, v))
+        ws = w[rank * v_local:(rank + 1) * v_local].contiguous()
+        hs = h.clone().requires_grad_()
+        wsg = ws.clone().requires_grad_()
+
+        def tp_call(hh, ww):
+            return torch_bridge.linear_logp(hh, ww, t, vocab_start=rank * v_local, real_vocab_size=v,
+                                            tp_group=dist.group.WORLD, return_entropy=True, mode="strict")
+
+        lp, ent = tp_call(hs, wsg)
+        torch.autograd.backward(lp, g)
+        out = dict(shape=name, n=n, h=hd, v_local=v_local, tp=world)
+        if rank == 0:
+            np.save(os.path.join(args.out, f"tp_torch_{name}_logp.npy"), lp.detach().cpu().numpy())
+            h1 = h.clone().requires_grad_()
+            w1 = w.clone().requires_grad_()
+            lp1, ent1 = torch_bridge.linear_logp(h1, w1, t, return_entropy=True, mode="strict")
+            torch.autograd.backward(lp1, g)
+            out["logp_bitwise_tp1_vs_tp"] = bool(torch.equal(lp1, lp))
+            out["entropy_bitwise_tp1_vs_tp"] = bool(torch.equal(ent1, ent))
+            out["dh_max_rel_diff_tp1_vs_tp"] = float((hs.grad.float() - h1.grad.float()).norm() / h1.grad.float().norm())
+            out["dw_shard_bitwise_tp1_vs_tp"] = bool(torch.equal(w1.grad[:v_local], wsg.grad))
+
+        def fwd():
+            with torch.no_grad():
+                tp_call(hs, wsg)
+
+        def fb():
+            hs.grad = None
+            wsg.grad = None
+            torch.autograd.backward(tp_call(hs, wsg)[0], g)
+
+        out["tp_fwd_ms"] = do_bench(fwd, warmup=50, rep=300, return_mode="median")
+        out["tp_fb_ms"] = do_bench(fb, warmup=50, rep=300, return_mode="median")
+        k = v // _rlk_core.canonical_chunk(v)
+        stats = torch.zeros(n, k, 3, device=dev)
+        tl = torch.zeros(n, device=dev)
+        dh = torch.zeros(n, hd, device=dev)
+        out["exchange_fwd_ms"] = do_bench(lambda: (dist.all_reduce(stats), dist.all_reduce(tl)), warmup=20, rep=100,
+                                          return_mode="median")
+        out["exchange_bwd_dh_ms"] = do_bench(lambda: dist.all_reduce(dh), warmup=20, rep=100, return_mode="median")
+        out["exchange_share_of_fb"] = (out["exchange_fwd_ms"] + out["exchange_bwd_dh_ms"]) / out["tp_fb_ms"]
+        if rank == 0:
+            out["tp1_fwd_ms"] = do_bench(lambda: torch_bridge.linear_logp(h1.detach(), w1.detach(), t, mode="strict"),
+                                         warmup=50, rep=300, return_mode="median")
+            print(json.dumps(out), flush=True)
+        rows.append(out)
+        dist.barrier()
+    if rank == 0:
+        with open(os.path.join(args.out, "tp_torch.json"), "w") as f:
+            json.dump(rows, f, indent=1)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
