@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# On a GPU machine (the device tool; see docs/benchmarks.md): build this checkout into the machine's
+# python and run the steps named on the command line, logs and results under $OUT.
+#   build    install carried wheels (.whl/: nvidia-cutlass, liger-kernel, cut-cross-entropy) and build
+#   test     pytest -m gpu (JAX and torch on one GPU) + python -m rlk_xla check
+#   bench    benchmarks/bench_gpu.py over every shape of DESIGN.md section 6
+#   tp       benchmarks/tp_gpu.py (JAX, all GPUs) and tp_torch.py (torchrun, NCCL), cross-frontend check
+set -o pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+export XLA_PYTHON_CLIENT_PREALLOCATE=false
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>/dev/null
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+for step in "$@"; do
+  case $step in
+    build)
+      nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,power.draw --format=csv | tee "$OUT/gpu.txt"
+      t0=$(date +%s)
+      python3 -m pip install -q --no-build-isolation -C build-dir=/tmp/rlk-build . 2>&1 | tail -n 30 | tee "$OUT/build.log"
+      python3 -c "import _rlk_core as c; print('built: cuda', c.has_cuda, 'ffi', c.has_xla_ffi)" | tee -a "$OUT/build.log"
+      echo "build took $(( $(date +%s) - t0 )) s" | tee -a "$OUT/build.log" ;;
+    test)
+      timeout 400 python3 -m pytest -q -m gpu tests -x -p no:cacheprovider 2>&1 | tail -n 40 | tee "$OUT/gpu_tests.log"
+      timeout 120 python3 -m rlk_xla check 2>/dev/null | tee "$OUT/check.log" ;;
+    bench)
+      timeout 540 python3 benchmarks/bench_gpu.py --out "$OUT" 2>"$OUT/bench.err" | tail -n 12 ;;
+    tp)
+      timeout 240 python3 benchmarks/tp_gpu.py --out "$OUT" 2>&1 | tee "$OUT/tp_jax.log"
+      timeout 240 torchrun --nproc_per_node "$(nvidia-smi -L | wc -l)" benchmarks/tp_torch.py --out "$OUT" 2>&1 \
+        | grep -v Warning | tee "$OUT/tp_torch.log"
+      python3 - "$OUT" <<'PY' | tee "$OUT/tp_cross.log"
+import glob, os, sys, numpy as np
+out = sys.argv[1]
+for f in sorted(glob.glob(os.path.join(out, "tp_jax_*_logp.npy"))):
+    name = os.path.basename(f)[len("tp_jax_"):-len("_logp.npy")]
+    g = os.path.join(out, f"tp_torch_{name}_logp.npy")
+    if os.path.exists(g):
+        a, b = np.load(f), np.load(g)
+        print(f"{name}: JAX TP logp vs torch TP logp bitwise equal: {np.array_equal(a, b)}; max |diff| {np.nanmax(np.abs(a - b)):.3g}")
+PY
+      ;;
+  esac
+done
