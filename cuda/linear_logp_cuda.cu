@@ -1,16 +1,22 @@
 // The CUDA backend of linear_logp: dispatch, the portable (sm_80+) kernels, combine, backward.
 //
 // Forward (per pass of at most fwd_rows_per_pass rows):
-//   1. fwd_split_kernel (portable) or the sm90 kernel: one CTA per (128-row tile, split); it walks
-//      the split's 128-column tiles in order, folds each logit tile into per-row running (m, s, a)
-//      and writes per-(row, split) partials to the workspace. Logits never reach global memory.
+//   1. fwd_split_kernel (portable) or the sm90 kernel (linear_logp_sm90.cu): one CTA per
+//      (128-row tile, split); it walks the split's column tiles in order, folds each logit tile into
+//      per-row running (m, s, a) and writes per-(row, split) partials to the workspace. Logits
+//      never reach global memory.
 //   2. finalize_kernel: per (row, chunk), merges the chunk's splits in split order (stats_merge).
 //   3. target_logit_kernel: one warp per row, z_t by a fixed-order dot product.
 // Backward: the local vocab is cut into pieces of P columns (P depends on v and h only) and rows
-// into passes of kBwdRows. Per (piece, pass): recompute logits, write dlogit (dtype) for the piece,
-// per-(row, column tile) dzz partials and per-(row tile, column) db partials; dH += dlogit W[piece]
-// (fp32, in piece order); dW[piece] accumulates over row passes in fp32 and is written in dtype.
-// No atomics anywhere; every sum has one fixed order that depends on shapes only.
+// into passes of at most kBwdRows. Per (piece, pass): recompute logits, write dlogit (dtype) for
+// the piece, per-(row, 128-column tile) dzz partials and per-(128-row tile, column) db partials;
+// dH += dlogit W[piece] (fp32, in piece order); dW[piece] accumulates over row passes in fp32 and
+// is written in dtype. The portable path runs these GEMMs on the WMMA/FFMA tile engine
+// (lp_gemm_portable.cuh); on sm_90 with bf16/fp16 and h % 64 == 0, backward_sm90 runs them on the
+// wgmma kernel, all operands K-major (W and H pieces are transposed into the workspace and the
+// dlogit epilogue writes dlogit in both layouts).
+// No atomics anywhere; every sum has one fixed order that depends on shapes only, so a row's
+// stats, logp and dH do not depend on the other rows of the call.
 #include "linear_logp_cuda.h"
 
 #include <cuda_bf16.h>

@@ -4,27 +4,36 @@
 // Compiled only with -gencode=arch=compute_90a,code=sm_90a and only when RLK_HAVE_SM90 is set.
 //
 // Structure (after FlashAttention 3's hopper/ split into named pieces):
-//   * tile scheduler  - one CTA per (128-row tile, split); the linear block id is mapped to
-//                       (row tile, split) in groups of kGroupRows row tiles, so the CTAs resident at
-//                       one time share a few W tiles and a few H tiles and the re-reads hit L2.
-//                       The map only orders work; what a CTA computes does not depend on it.
+//   * tile scheduler  - work comes in units of (128-row tile, column unit); the column unit is a
+//                       split for the forward (up to kSplitCols/kBN tiles walked in order) and one
+//                       256-column tile for the backward GEMMs. unit_of() numbers the units in
+//                       groups of kGroupRows row tiles, so the CTAs resident at one time share a
+//                       few W tiles and a few H tiles and the re-reads hit L2. The forward runs one
+//                       CTA per unit; the backward kernels run kPersistentCtas CTAs striding over
+//                       the units. The map only orders work; what a unit computes never depends
+//                       on it (nor on the SM count).
 //   * mainloop        - warp-specialised: warpgroup 0 is the producer (one thread issues TMA loads
-//                       of a 128x64 H box and a 256x64 W box per stage into a kStages-deep ring,
-//                       128-byte swizzle, completion on "full" mbarriers); warpgroups 1 and 2 are
-//                       consumers, each owns 64 rows and issues wgmma m64n256k16 (fp32
-//                       accumulators in registers) and frees a stage on its "empty" mbarrier once
-//                       the wgmma that read it has retired (wait_group 1 keeps one batch in flight).
-//                       setmaxnreg moves registers from the producer to the consumers.
-//   * epilogue        - folds each 64x256 logit tile, straight from the accumulator registers, into
-//                       per-row running (m, s, a): the row's 256 values live in one quad of lanes
-//                       (64 per lane), so a tile costs a thread-local pass plus two xor shuffles.
-//                       Exponentials use ex2 on log2e-scaled logits; (m, s, a) are converted back
-//                       to natural units per tile and merged with stats_merge. The producer keeps
-//                       prefetching the next tile while the consumers run the epilogue.
-// Logits never leave registers. Per-(row, split) partials go to the workspace; the finalize
-// kernel of linear_logp_cuda.cu merges them per chunk exactly as for the portable kernel.
-// Every row goes through the same instruction sequence whatever its position in the tile, and
-// the split geometry is relative to the chunk start, so results are batch- and TP-invariant.
+//                       of a 128x64 H box and a 256x64 W box per stage into a ring of 4 stages,
+//                       3 for the dlogit kernel, 128-byte swizzle, completion on "full"
+//                       mbarriers); warpgroups 1 and 2 are consumers, each owns 64 rows and issues
+//                       wgmma m64n256k16 (fp32 accumulators in registers) and frees a stage on its
+//                       "empty" mbarrier once the wgmma that read it has retired (wait_group 1
+//                       keeps one batch in flight). setmaxnreg moves registers from the producer
+//                       to the consumers. The producer runs ahead across tile and unit boundaries.
+//   * epilogues       - kFwdStats folds each 64x256 logit tile, straight from the accumulator
+//                       registers, into per-row running (m, s, a): a row's 256 values live in one
+//                       quad of lanes (64 per lane), so a tile costs a thread-local pass plus two
+//                       xor shuffles. Exponentials use ex2 on log2e-scaled logits; (m, s, a) are
+//                       converted back to natural units per tile and merged with stats_merge.
+//                       kDlogit recomputes z, applies dz_of, stages the dlogit tile in shared
+//                       memory and stores it row-major and transposed with 16-byte vectors, plus
+//                       dzz and db partials. kOut writes or accumulates the fp32/dtype gradient.
+// In the forward, logits never leave registers. Per-(row, split) partials go to the workspace;
+// the finalize kernel of linear_logp_cuda.cu merges them per chunk exactly as for the portable
+// kernel. Every row goes through the same instruction sequence whatever its position in the tile,
+// and the split geometry is relative to the chunk start, so results are batch- and TP-invariant.
+// No CuTe types are used (raw PTX keeps the build to seconds); the CUTLASS include dir is only
+// the build's signal that an sm_90a toolchain is wanted (RLK_HAVE_SM90).
 #if RLK_HAVE_SM90
 
 #include <cuda.h>
@@ -374,8 +383,8 @@ template <int kKind> __device__ __forceinline__ Unit unit_of(int64_t L, const Pa
   return u;
 }
 
-// Persistent: a fixed number of CTAs (kPersistentCtas, a compile-time constant, never the SM
-// count) stride over the units; the producer runs ahead across unit boundaries, so the next
+// Backward kernels are persistent: a fixed number of CTAs (kPersistentCtas, a compile-time
+// constant, never the SM count) stride over the units; the producer runs ahead across unit boundaries, so the next
 // unit's loads overlap the current unit's epilogue. Which CTA runs a unit never changes what the
 // unit computes.
 template <bool kBf16, int kKind>
@@ -524,7 +533,10 @@ const char* launch_(bool bf16, const CUtensorMap& ma, const CUtensorMap& mb, con
   constexpr int kSmemBytes = smem_of(kKind);
   if (cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes) != cudaSuccess)
     return "rlk cuda: cudaFuncSetAttribute failed (sm90)";
-  const int64_t grid = blocks < kPersistentCtas ? blocks : kPersistentCtas;
+  // The forward's units differ in length (a chunk's last split is shorter), so it keeps one CTA per
+  // unit and lets the hardware balance them (measured faster than static striding); the backward's
+  // units are all one tile and run persistent, so the next tile's loads overlap the epilogue.
+  const int64_t grid = (kKind == kFwdStats || blocks < kPersistentCtas) ? blocks : kPersistentCtas;
   if (grid > 0) kern<<<unsigned(grid), kThreads, kSmemBytes, stream>>>(ma, mb, P, blocks);
   if (cudaGetLastError() != cudaSuccess) return "rlk cuda: sm90 kernel launch failed";
   return nullptr;
