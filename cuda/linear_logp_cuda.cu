@@ -44,7 +44,7 @@ constexpr int kMaxDevices = 64;
 int g_cc[kMaxDevices];  // 0 = unknown, else major*10+minor
 std::once_flag g_cc_once[kMaxDevices];
 
-int device_cc() {
+[[maybe_unused]] int device_cc() {
   int dev = 0;
   if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= kMaxDevices) return 0;
   std::call_once(g_cc_once[dev], [dev] {
