@@ -1,1 +1,16 @@
-"""placeholder"""
+"""torch_bridge: the PyTorch frontend of the fused linear_logp kernels (the same compiled module
+as rlk_xla, reached through DLPack; jax is never imported).
+
+    torch_bridge.linear_logp(hidden, weight, targets, ...)   fused, autograd, torch.compile-able
+    torch_bridge.reference.linear_logp(...)                  the native torch path (off / fallback)
+    torch_bridge.route_stats() / reset_route_stats()         routes, fallbacks, audit
+    torch_bridge.provider                                    the RL framework's provider contract
+"""
+from ._args import validate_targets
+from .linear_logp import linear_logp
+from .routes import MODES, reset_route_stats, route_stats
+from . import reference
+from . import provider
+
+__all__ = ["linear_logp", "reference", "provider", "validate_targets", "route_stats", "reset_route_stats", "MODES"]
+__version__ = "0.1.0"

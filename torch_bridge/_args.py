@@ -1,0 +1,156 @@
+"""Argument checking and normalisation shared by the fused op and the reference.
+
+Mirrors rlk_xla._args: every mistake is reported before anything runs, naming the argument, as
+ValueError (values, shapes) or TypeError (dtypes); torch adds device checks.
+"""
+from __future__ import annotations
+
+import dataclasses
+import numbers
+from typing import Any
+
+import torch
+
+from ._core import core
+
+F32 = torch.float32
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+DTYPE_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+
+
+@dataclasses.dataclass
+class Args:
+    hidden: torch.Tensor         # [n, h]
+    weight: torch.Tensor         # [v_local, h]
+    bias: Any                    # [v_local] (its own dtype) or None
+    targets: torch.Tensor        # [n] int32, global ids
+    temperature: torch.Tensor    # [n] f32 (differentiable when an array was given)
+    temperature_is_array: bool
+    ignore_index: int
+    vocab_start: int
+    real_vocab: int
+    v_global: int
+    tp: int
+    rank: int
+    tp_group: Any
+    out_shape: tuple
+
+    @property
+    def n(self) -> int:
+        return self.hidden.shape[0]
+
+    @property
+    def chunk(self) -> int:
+        """Canonical chunk of the global vocab when the shard holds whole canonical chunks, else
+        the shard is one chunk (works, without the bitwise TP-invariance promise)."""
+        return chunk_of(self.v_global, self.weight.shape[0])
+
+
+def chunk_of(v_global: int, v_local: int) -> int:
+    c = int(core.canonical_chunk(int(v_global)))
+    return c if v_local % c == 0 else int(v_local)
+
+
+def _tensor(x, name):
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    return tuple(x.shape)
+
+
+def _same_device(x, ref, name):
+    if x.device != ref.device:
+        raise ValueError(f"{name} is on {x.device} but hidden is on {ref.device}")
+
+
+def parse(hidden, weight, targets, *, bias, temperature, ignore_index, vocab_start, real_vocab_size,
+          tp_group) -> Args:
+    hs, ws, ts = _tensor(hidden, "hidden"), _tensor(weight, "weight"), _tensor(targets, "targets")
+    if len(hs) < 1:
+        raise ValueError(f"hidden must be [..., H], got shape {hs}")
+    if len(ws) != 2:
+        raise ValueError(f"weight must be [V, H], got shape {ws}")
+    if ws[1] != hs[-1]:
+        raise ValueError(f"weight's hidden size {ws[1]} does not match hidden's {hs[-1]} (weight {ws}, hidden {hs})")
+    if not hidden.dtype.is_floating_point:
+        raise TypeError(f"hidden must be floating point, got {hidden.dtype}")
+    if weight.dtype != hidden.dtype:
+        raise TypeError(f"weight dtype {weight.dtype} differs from hidden dtype {hidden.dtype}")
+    if targets.dtype.is_floating_point or targets.dtype.is_complex or targets.dtype == torch.bool:
+        raise TypeError(f"targets must be integer token ids, got {targets.dtype}")
+    if ts != hs[:-1]:
+        raise ValueError(f"targets shape {ts} must equal hidden's leading shape {hs[:-1]}")
+    _same_device(weight, hidden, "weight")
+    _same_device(targets, hidden, "targets")
+    if bias is not None:
+        bs = _tensor(bias, "bias")
+        if bs != (ws[0],):
+            raise ValueError(f"bias must be [V] = ({ws[0]},), got shape {bs}")
+        if bias.dtype != weight.dtype:
+            raise TypeError(f"bias dtype {bias.dtype} differs from weight dtype {weight.dtype}")
+        _same_device(bias, hidden, "bias")
+    if not isinstance(ignore_index, numbers.Integral) or isinstance(ignore_index, bool):
+        raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
+
+    n = 1
+    for d in ts:
+        n *= d
+    if isinstance(temperature, numbers.Real) and not isinstance(temperature, bool):
+        if not (float(temperature) > 0.0 and float(temperature) < float("inf")):
+            raise ValueError(f"temperature must be a finite number > 0, got {temperature}")
+        temp, temp_is_array = torch.full((n,), float(temperature), dtype=F32, device=hidden.device), False
+    else:
+        tshape = _tensor(temperature, "temperature")
+        if not temperature.dtype.is_floating_point:
+            raise TypeError(f"temperature must be a float or a floating tensor, got {temperature.dtype}")
+        if tshape not in ((), ts):
+            raise ValueError(f"temperature array must be shaped like targets {ts}, got {tshape}")
+        _same_device(temperature, hidden, "temperature")
+        temp, temp_is_array = temperature.to(F32).expand(ts).reshape(n), True
+
+    v_local = ws[0]
+    if tp_group is None:
+        tp, rank = 1, 0
+        if vocab_start not in (None, 0):
+            raise ValueError(f"vocab_start={vocab_start} needs tp_group: without it the weight holds the whole vocab")
+        vocab_start = 0
+    else:
+        import torch.distributed as dist
+        tp, rank = dist.get_world_size(tp_group), dist.get_rank(tp_group)
+        if vocab_start is None:
+            vocab_start = rank * v_local
+        elif not isinstance(vocab_start, numbers.Integral) or vocab_start != rank * v_local:
+            raise ValueError(f"vocab_start must be rank * V_local = {rank * v_local} (equal vocab shards in rank "
+                             f"order), got {vocab_start}")
+    v_global = v_local * tp
+    real = v_global if real_vocab_size is None else real_vocab_size
+    if not isinstance(real, numbers.Integral) or isinstance(real, bool) or not 0 < real <= v_global:
+        raise ValueError(f"real_vocab_size must be an int in [1, {v_global}] (the padded vocab), got {real_vocab_size}")
+
+    return Args(hidden=hidden.reshape(n, hs[-1]), weight=weight, bias=bias,
+                targets=targets.reshape(n).to(torch.int32), temperature=temp, temperature_is_array=temp_is_array,
+                ignore_index=int(ignore_index), vocab_start=int(vocab_start), real_vocab=int(real),
+                v_global=int(v_global), tp=int(tp), rank=int(rank), tp_group=tp_group, out_shape=ts)
+
+
+def validate_targets(targets, vocab_size: int, ignore_index: int = -100) -> None:
+    """Raise ValueError, eagerly, naming the first id outside [0, vocab_size) that is not ignore_index.
+    One device->host sync for CUDA tensors."""
+    t = targets.detach().reshape(-1)
+    bad = (t != ignore_index) & ((t < 0) | (t >= vocab_size))
+    if bool(bad.any()):
+        idx = torch.nonzero(bad).reshape(-1)
+        i = int(idx[0])
+        raise ValueError(f"targets[{i}] = {int(t[i])} is outside [0, {vocab_size}) and is not "
+                         f"ignore_index={ignore_index} ({idx.numel()} bad ids in all)")
+
+
+def unsupported(hidden: torch.Tensor) -> str | None:
+    """Why the fused kernels cannot take tensors like `hidden` (the fallback reason), or None."""
+    if hidden.dtype not in SUPPORTED_DTYPES:
+        return f"dtype {str(hidden.dtype).replace('torch.', '')} (supported: bfloat16, float16, float32)"
+    dev = hidden.device.type
+    if dev == "cpu":
+        return None
+    if dev == "cuda":
+        return None if core.has_cuda else "device cuda (this build of _rlk_core has no CUDA backend)"
+    return f"device {dev} (supported: cpu, cuda)"

@@ -1,0 +1,155 @@
+"""torch_bridge.linear_logp: log_softmax(hidden @ W^T / T)[target] without materializing the logits.
+
+One shard (tp_group=None): the custom op rlk::linear_logp with autograd, traceable by
+torch.compile(fullgraph=True). Vocab-parallel (tp_group): rlk::forward_stats on every rank, the
+per-chunk statistics placed at their global chunk offset in a zero [n, K, 3] tensor and
+all-reduced (SUM adds exact zeros, so every rank holds the same statistics), rlk::combine in the
+fixed chunk order (bitwise the same for TP = 1, 2, 4, 8), rlk::linear_logp_backward plus an
+all-reduce of dH (unless reduce_grad_hidden=False) and of the temperature gradient.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from . import _ops  # noqa: F401  (registers torch.ops.rlk.*)
+from . import reference, routes
+from ._args import Args, parse, unsupported, validate_targets as _validate_targets
+
+F32 = torch.float32
+_I32_MIN, _I32_MAX = -(2 ** 31), 2 ** 31 - 1
+
+
+def linear_logp(hidden, weight, targets, *, bias=None, temperature=1.0, ignore_index=-100, return_entropy=False,
+                vocab_start=None, real_vocab_size=None, tp_group=None, mode=None, reduce_grad_hidden=True,
+                validate_targets=True):
+    """Selected-token log-probabilities (and optionally entropies) of `hidden @ weight.T (+ bias)`.
+
+    hidden [..., H] (bf16, fp16 or fp32), weight [V, H] (same dtype), bias [V] (same dtype) or None,
+    targets [...] integer ids of the global vocab. Returns fp32 logp shaped like targets, or
+    (logp, entropy) with return_entropy=True; differentiable in hidden, weight, bias and a
+    temperature tensor.
+    temperature: a float > 0 or a floating tensor shaped like targets (per token).
+    ignore_index rows give 0 and no gradient; ids outside [0, real_vocab_size) raise ValueError
+    when validate_targets (one host sync; skipped inside torch.compile and CUDA-graph capture),
+    else give NaN rows without gradient.
+    tp_group: a torch.distributed group over which the vocab is sharded: weight (and bias) are
+    this rank's shard of V_local rows, vocab_start defaults to rank * V_local, real_vocab_size to
+    the padded global vocab V_local * world_size. dH is all-reduced over the group unless
+    reduce_grad_hidden=False (for callers whose column-parallel region already reduces it).
+    mode: "auto" (default, env RLK_MODE), "strict", "audit" or "off" (the reference).
+    """
+    mode = routes.resolve_mode(mode)
+    a = parse(hidden, weight, targets, bias=bias, temperature=temperature, ignore_index=ignore_index,
+              vocab_start=vocab_start, real_vocab_size=real_vocab_size, tp_group=tp_group)
+    eager = not torch.compiler.is_compiling()
+    if validate_targets and eager and not _capturing(a.hidden):
+        _validate_targets(targets, a.real_vocab, a.ignore_index)
+    a.targets = _int32_targets(targets.reshape(-1), a.ignore_index)
+    n = a.n
+    reason = unsupported(a.hidden)
+    if n == 0 or mode == "off":
+        if n and eager:
+            routes.count_reference(n, None)
+        logp, ent = reference.rows(a, return_entropy, reduce_grad_hidden)
+    elif reason is not None:
+        if mode == "strict":
+            raise RuntimeError(f"torch_bridge.linear_logp(mode='strict'): the fused kernels cannot run this call: "
+                               f"{reason}")
+        if eager:
+            routes.count_reference(n, reason)
+        logp, ent = reference.rows(a, return_entropy, reduce_grad_hidden)
+    else:
+        logp, ent = fused_rows(a, return_entropy, reduce_grad_hidden)
+        if eager:
+            routes.note_backend(a.hidden.device.type)
+        if mode == "audit":
+            with torch.no_grad():
+                ref_logp, _ = reference.rows(a, False, reduce_grad_hidden)
+            routes.record_audit(logp, ref_logp)
+    logp = logp.reshape(a.out_shape)
+    return (logp, ent.reshape(a.out_shape)) if return_entropy else logp
+
+
+def _capturing(t: torch.Tensor) -> bool:
+    return t.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def _int32_targets(t: torch.Tensor, ignore_index: int) -> torch.Tensor:
+    """int32 ids for the kernels; int64 ids beyond int32 become an invalid id (NaN row), never wrap."""
+    if t.dtype == torch.int32:
+        return t
+    if t.dtype == torch.int64:
+        invalid = -1 if ignore_index != -1 else -2
+        t = torch.where((t < _I32_MIN) | (t > _I32_MAX), torch.full_like(t, invalid), t)
+    return t.to(torch.int32)
+
+
+def fused_rows(a: Args, with_entropy: bool, reduce_grad_hidden: bool = True):
+    """logp and entropy ([n] f32; entropy zeros unless asked) through the compiled kernels."""
+    bias = None if a.bias is None else a.bias.to(F32)  # the kernels take the bias in fp32
+    if a.tp_group is None:
+        logp, ent, _ = torch.ops.rlk.linear_logp(a.hidden, a.weight, bias, a.targets, a.temperature, a.real_vocab,
+                                                 a.chunk, a.ignore_index, with_entropy)
+        return logp, ent
+    cfg = _TPConfig(vocab_start=a.vocab_start, real_vocab=a.real_vocab, v_global=a.v_global, chunk=a.chunk,
+                    ignore_index=a.ignore_index, with_entropy=with_entropy, group=a.tp_group,
+                    reduce_grad_hidden=reduce_grad_hidden)
+    return _VocabParallel.apply(a.hidden, a.weight, bias, a.temperature, a.targets, cfg)
+
+
+@dataclasses.dataclass(frozen=True)
+class _TPConfig:
+    vocab_start: int
+    real_vocab: int
+    v_global: int
+    chunk: int
+    ignore_index: int
+    with_entropy: bool
+    group: Any
+    reduce_grad_hidden: bool
+
+
+def tp_forward(hidden, weight, bias32, temperature, targets, cfg: _TPConfig):
+    """(logp, lse, entropy) of one rank's shard, the statistics combined over cfg.group."""
+    import torch.distributed as dist
+    stats, tl = torch.ops.rlk.forward_stats(hidden, weight, bias32, targets, temperature, cfg.vocab_start,
+                                            cfg.real_vocab, cfg.chunk, cfg.ignore_index, cfg.with_entropy)
+    n, k_local, w = stats.shape
+    off = cfg.vocab_start // cfg.chunk
+    full = stats.new_zeros((n, cfg.v_global // cfg.chunk, w))
+    full[:, off:off + k_local] = stats
+    # O(n * chunks) floats: every rank ends with the same statistics (sums of one value and zeros).
+    dist.all_reduce(full, op=dist.ReduceOp.SUM, group=cfg.group)
+    dist.all_reduce(tl, op=dist.ReduceOp.SUM, group=cfg.group)
+    return torch.ops.rlk.combine(full, tl, targets, cfg.real_vocab, cfg.ignore_index)
+
+
+class _VocabParallel(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, bias32, temperature, targets, cfg: _TPConfig):
+        logp, lse, ent = tp_forward(hidden, weight, bias32, temperature, targets, cfg)
+        if not cfg.with_entropy:
+            ent = torch.zeros_like(logp)
+        ctx.save_for_backward(hidden, weight, bias32, temperature, targets, lse, ent)
+        ctx.cfg = cfg
+        return logp, ent
+
+    @staticmethod
+    def backward(ctx, g, e):
+        import torch.distributed as dist
+        hidden, weight, bias32, temperature, targets, lse, ent = ctx.saved_tensors
+        cfg = ctx.cfg
+        g = torch.zeros_like(lse) if g is None else g.contiguous()
+        if cfg.with_entropy:
+            e = torch.zeros_like(lse) if e is None else e.contiguous()
+        dh, dw, db, dtemp = torch.ops.rlk.linear_logp_backward(
+            hidden, weight, bias32, targets, temperature, lse, ent if cfg.with_entropy else None, g,
+            e if cfg.with_entropy else None, cfg.vocab_start, cfg.real_vocab, cfg.chunk, cfg.ignore_index)
+        if cfg.reduce_grad_hidden and ctx.needs_input_grad[0]:
+            dist.all_reduce(dh, op=dist.ReduceOp.SUM, group=cfg.group)
+        if ctx.needs_input_grad[3]:
+            dist.all_reduce(dtemp, op=dist.ReduceOp.SUM, group=cfg.group)
+        return dh.to(hidden.dtype), dw, (db if bias32 is not None else None), dtemp, None, None
