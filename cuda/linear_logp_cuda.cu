@@ -267,7 +267,7 @@ __global__ void transpose16_kernel(const uint16_t* __restrict__ in, int64_t rows
   }
 }
 
-Status transpose16(const void* in, int64_t rows, int64_t cols, int64_t ld_in, void* out, int64_t ld_out,
+[[maybe_unused]] Status transpose16(const void* in, int64_t rows, int64_t cols, int64_t ld_in, void* out, int64_t ld_out,
                    cudaStream_t st) {
   const dim3 grid(unsigned((cols + 31) / 32), unsigned((rows + 31) / 32));
   transpose16_kernel<<<grid, dim3(32, 8), 0, st>>>(static_cast<const uint16_t*>(in), rows, cols, ld_in,
