@@ -21,12 +21,57 @@ _lock = threading.Lock()
 _reference = {"calls": 0, "tokens": 0}
 _fallbacks: collections.Counter = collections.Counter()
 _last = {"backend_id": None}
-_AUDIT_ZERO = {"calls": 0, "rows": 0, "sum_abs_dlogp": 0.0, "max_abs_dlogp": 0.0, "unequal_rows": 0,
-               "equal_rows": 0}
-_audit = dict(_AUDIT_ZERO)
-_audit_window: collections.deque = collections.deque()  # recent |dlogp| arrays, for the p99
-_AUDIT_WINDOW_ROWS = 1 << 20
-_audit_window_rows = [0]
+
+
+class AuditLog:
+    """Running comparison of fused vs reference logp: calls, rows, sum/max |dlogp|, bitwise-equal
+    rows and mismatching rows, and a window of the most recent |dlogp| values for the p99."""
+    WINDOW = 1 << 20
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self.reset()
+
+    def reset(self):
+        with self._lock:
+            self.calls = self.rows = self.equal_rows = self.unequal_rows = 0
+            self.sum_abs = self.max_abs = 0.0
+            self._window: collections.deque = collections.deque()
+            self._window_rows = 0
+
+    def record(self, ours: torch.Tensor, ref: torch.Tensor) -> dict:
+        d, equal = audit_diff(ours, ref)
+        finite = d[~torch.isnan(d)]
+        call = {"rows": int(d.numel()), "max_abs_dlogp": float(finite.max()) if finite.numel() else 0.0,
+                "mean_abs_dlogp": float(finite.mean()) if finite.numel() else 0.0,
+                "p99_abs_dlogp": float(torch.quantile(finite, 0.99)) if finite.numel() else 0.0,
+                "bitwise_equal_count": int(equal.sum()), "mismatch_count": int((~equal).sum())}
+        with self._lock:
+            self.calls += 1
+            self.rows += call["rows"]
+            self.sum_abs += float(finite.sum()) if finite.numel() else 0.0
+            self.max_abs = max(self.max_abs, call["max_abs_dlogp"])
+            self.equal_rows += call["bitwise_equal_count"]
+            self.unequal_rows += call["mismatch_count"]
+            if finite.numel():
+                self._window.append(finite)
+                self._window_rows += finite.numel()
+            while self._window_rows > self.WINDOW and len(self._window) > 1:
+                self._window_rows -= self._window.popleft().numel()
+        return call
+
+    def summary(self) -> dict:
+        with self._lock:
+            window = list(self._window)
+            out = {"calls": self.calls, "rows": self.rows, "sum_abs_dlogp": self.sum_abs,
+                   "max_abs_dlogp": self.max_abs, "mean_abs_dlogp": self.sum_abs / self.rows if self.rows else 0.0,
+                   "equal_rows": self.equal_rows, "unequal_rows": self.unequal_rows,
+                   "bitwise_equal_count": self.equal_rows, "mismatch_count": self.unequal_rows}
+        out["p99_abs_dlogp"] = float(torch.quantile(torch.cat(window)[-self.WINDOW:], 0.99)) if window else 0.0
+        return out
+
+
+_audit = AuditLog()
 
 
 def resolve_mode(mode: str | None) -> str:
@@ -63,30 +108,7 @@ def audit_diff(ours: torch.Tensor, ref: torch.Tensor):
 
 def record_audit(ours: torch.Tensor, ref: torch.Tensor) -> dict:
     """Compare the fused logp with the reference's, row by row; returns this call's summary."""
-    d, equal = audit_diff(ours, ref)
-    finite = d[~torch.isnan(d)]
-    call = {"rows": int(d.numel()), "max_abs_dlogp": float(finite.max()) if finite.numel() else 0.0,
-            "mean_abs_dlogp": float(finite.mean()) if finite.numel() else 0.0,
-            "equal_rows": int(equal.sum()), "unequal_rows": int((~equal).sum())}
-    with _lock:
-        _audit["calls"] += 1
-        _audit["rows"] += call["rows"]
-        _audit["sum_abs_dlogp"] += float(finite.sum()) if finite.numel() else 0.0
-        _audit["max_abs_dlogp"] = max(_audit["max_abs_dlogp"], call["max_abs_dlogp"])
-        _audit["equal_rows"] += call["equal_rows"]
-        _audit["unequal_rows"] += call["unequal_rows"]
-        _audit_window.append(finite)
-        _audit_window_rows[0] += finite.numel()
-        while _audit_window_rows[0] > _AUDIT_WINDOW_ROWS and len(_audit_window) > 1:
-            _audit_window_rows[0] -= _audit_window.popleft().numel()
-    return call
-
-
-def _p99(window) -> float:
-    vals = [x for x in window if x.numel()]
-    if not vals:
-        return 0.0
-    return float(torch.quantile(torch.cat(vals)[-_AUDIT_WINDOW_ROWS:], 0.99))
+    return _audit.record(ours, ref)
 
 
 def backend_counts() -> dict:
@@ -105,11 +127,7 @@ def route_stats() -> dict:
     """
     backends = backend_counts()
     with _lock:
-        audit = dict(_audit)
-        audit["mean_abs_dlogp"] = audit["sum_abs_dlogp"] / audit["rows"] if audit["rows"] else 0.0
-        audit["p99_abs_dlogp"] = _p99(list(_audit_window))
-        audit["mismatch_count"] = audit["unequal_rows"]
-        audit["bitwise_equal_count"] = audit["equal_rows"]
+        audit = _audit.summary()
         fused_calls = sum(b["fwd_calls"] for b in backends.values())
         fused_tokens = sum(b["fwd_tokens"] for b in backends.values())
         return {"calls": fused_calls + _reference["calls"], "tokens": fused_tokens + _reference["tokens"],
@@ -122,7 +140,5 @@ def reset_route_stats() -> None:
     with _lock:
         _reference.update(calls=0, tokens=0)
         _fallbacks.clear()
-        _audit.update(_AUDIT_ZERO)
-        _audit_window.clear()
-        _audit_window_rows[0] = 0
         _last["backend_id"] = None
+    _audit.reset()
