@@ -46,8 +46,20 @@ class Args:
         return chunk_of(self.v_global, self.weight.shape[0])
 
 
+_MAX_INVARIANT_TP = int(core.MAX_INVARIANT_TP)
+
+
+def canonical_chunk(vocab_global: int) -> int:
+    """core.canonical_chunk in Python (traceable by torch.compile; a test checks they agree):
+    the global vocab over the largest power of two <= MAX_INVARIANT_TP that divides it."""
+    parts = 1
+    while parts < _MAX_INVARIANT_TP and vocab_global % (parts * 2) == 0:
+        parts *= 2
+    return vocab_global // parts if vocab_global > 0 else 1
+
+
 def chunk_of(v_global: int, v_local: int) -> int:
-    c = int(core.canonical_chunk(int(v_global)))
+    c = canonical_chunk(int(v_global))
     return c if v_local % c == 0 else int(v_local)
 
 

@@ -1,0 +1,261 @@
+"""torch_bridge.linear_logp on the CPU against the float64 oracle; autograd, opcheck, torch.compile,
+consistency (determinism, batch invariance), targets, errors, no jax."""
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+import oracle
+import torch_bridge
+from torch_bridge import _ops  # noqa: F401
+from torch_helpers import case_grid, check_against_oracle, make_inputs, to_np, value_and_grads
+
+
+@pytest.mark.parametrize("n,h,v,dtype,o", case_grid(), ids=lambda x: str(x) if not isinstance(x, dict) else "")
+def test_against_float64_oracle(n, h, v, dtype, o):
+    check_against_oracle(torch_bridge.linear_logp, n, h, v, dtype, o)
+
+
+def test_reference_matches_oracle():
+    for o in case_grid()[:12] + case_grid()[-6:]:
+        check_against_oracle(torch_bridge.reference.linear_logp, *o[:4], o[4])
+
+
+def test_off_mode_matches_oracle():
+    for o in case_grid()[24:30]:
+        check_against_oracle(lambda *a, **k: torch_bridge.linear_logp(*a, mode="off", **k), *o[:4], o[4])
+
+
+def test_leading_dims_and_scalar_temperature_tensor():
+    d, kw, _, _ = make_inputs(1, None, 64, 700, leading=(3, 5), bias=True, temp="array")
+    logp, ent = torch_bridge.linear_logp(d["hidden"], d["weight"], d["targets"], bias=kw["bias"],
+                                         temperature=kw["temperature"], return_entropy=True)
+    assert logp.shape == (3, 5) and ent.shape == (3, 5) and logp.dtype == torch.float32
+    ref = oracle.linear_logp(to_np(d["hidden"]).reshape(15, 64), to_np(d["weight"]), d["targets"].numpy(),
+                             bias=to_np(kw["bias"]), temperature=kw["temperature"].numpy().reshape(15))
+    oracle.assert_values(to_np(logp).reshape(-1), ref["logp"], "logp")
+    oracle.assert_values(to_np(ent).reshape(-1), ref["entropy"], "entropy")
+    # a 0-d temperature tensor broadcasts and gets a gradient
+    T = torch.tensor(1.3, requires_grad=True)
+    out = torch_bridge.linear_logp(d["hidden"], d["weight"], d["targets"], temperature=T)
+    out.sum().backward()
+    ref = oracle.linear_logp(to_np(d["hidden"]).reshape(15, 64), to_np(d["weight"]), d["targets"].numpy(),
+                             temperature=1.3, g=np.ones(15))
+    np.testing.assert_allclose(float(T.grad), ref["dtemp"].sum(), rtol=1e-4)
+
+
+def test_int32_and_int64_targets_agree_and_scalar_float_equals_tensor():
+    d, kw, _, _ = make_inputs(2, 40, 32, 300, "float32", temp=None)
+    a = torch_bridge.linear_logp(d["hidden"], d["weight"], d["targets"])
+    b = torch_bridge.linear_logp(d["hidden"], d["weight"], d["targets"].to(torch.int32))
+    c = torch_bridge.linear_logp(d["hidden"], d["weight"], d["targets"], temperature=torch.ones(40))
+    assert torch.equal(a, b) and torch.equal(a, c)
+
+
+def _forward_and_grads(d, kw, g, e):
+    logp, ent, grads = value_and_grads(torch_bridge.linear_logp, d, kw, g, e)
+    return [to_np(x) for x in (logp, ent, grads["hidden"], grads["weight"], grads["bias"], grads["temperature"])]
+
+
+def test_bitwise_deterministic():
+    d, kw, g, e = make_inputs(3, 300, 96, 1000, "bfloat16", bias=True, temp="array", ignore_frac=0.1)
+    first = _forward_and_grads(d, kw, g, e)
+    for _ in range(2):
+        for a, b in zip(first, _forward_and_grads(d, kw, g, e)):
+            np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("rows", [slice(5, 68), slice(0, 1), slice(250, 300)])
+def test_batch_invariant(rows):
+    d, kw, g, e = make_inputs(4, 300, 96, 1000, "bfloat16", bias=True, temp="array", ignore_frac=0.1)
+    full = _forward_and_grads(d, kw, g, e)
+    sub = dict(d, hidden=d["hidden"][rows], targets=d["targets"][rows])
+    kws = dict(kw, temperature=kw["temperature"][rows])
+    part = _forward_and_grads(sub, kws, g[rows], e[rows])
+    for i in (0, 1, 2, 5):  # logp, entropy, dH rows, dtemperature: bitwise
+        np.testing.assert_array_equal(part[i], full[i][rows])
+
+
+def test_forward_only_scoring_equals_training_forward():
+    d, kw, g, e = make_inputs(5, 64, 32, 500, "bfloat16", bias=True)
+    with torch.no_grad():
+        score = torch_bridge.linear_logp(d["hidden"], d["weight"], d["targets"], bias=kw["bias"])
+    train, _, _ = value_and_grads(torch_bridge.linear_logp, d, dict(bias=kw["bias"]), g, e)
+    assert torch.equal(score, train)
+
+
+def test_out_of_range_targets():
+    d, kw, g, e = make_inputs(5, 20, 32, 200, "float32", real_vocab=180)
+    t = d["targets"].clone()
+    t[[1, 4, 7]] = torch.tensor([200, -5, 190])  # past the weight; negative; in the padding
+    d["targets"] = t
+    with pytest.raises(ValueError, match=r"targets\[1\] = 200 is outside \[0, 180\)"):
+        torch_bridge.linear_logp(d["hidden"], d["weight"], t, **kw)
+    with pytest.raises(ValueError, match=r"targets\[0\] = 70000 is outside \[0, 65536\)"):
+        torch_bridge.validate_targets(torch.tensor([70000, 3]), 65536)
+    torch_bridge.validate_targets(torch.tensor([0, 179, -100]), 180)
+    logp, ent, grads = value_and_grads(torch_bridge.linear_logp, d, kw, g, e, validate_targets=False)
+    assert torch.isnan(logp[[1, 4, 7]]).all() and not torch.isnan(logp[[0, 2, 3]]).any()
+    assert torch.isnan(ent[[1, 4, 7]]).all()
+    assert (grads["hidden"][[1, 4, 7]] == 0).all()
+    ref = oracle.linear_logp(to_np(d["hidden"]), to_np(d["weight"]), t.numpy(), temperature=kw["temperature"],
+                             real_vocab=180, g=g.numpy(), e=e.numpy())
+    oracle.assert_values(to_np(logp), ref["logp"], "logp")
+    oracle.assert_grad(to_np(grads["weight"]), ref["dw"], "float32", "d weight", ref["dw_abs"])
+    # int64 ids beyond int32 never wrap into valid ids
+    t2 = d["targets"].clone()
+    t2[0] = 2 ** 32 + 3
+    out = torch_bridge.linear_logp(d["hidden"], d["weight"], t2, validate_targets=False, **kw)
+    assert torch.isnan(out[0])
+
+
+def test_ignore_rows_zero_value_and_gradient():
+    d, kw, g, e = make_inputs(6, 50, 32, 300, "bfloat16", ignore_frac=0.5)
+    logp, ent, grads = value_and_grads(torch_bridge.linear_logp, d, kw, g, e)
+    ign = d["targets"] == -100
+    assert ign.any()
+    assert (logp[ign] == 0).all() and (ent[ign] == 0).all() and (grads["hidden"][ign] == 0).all()
+    # another ignore_index
+    t = torch.where(ign, torch.full_like(d["targets"], 7777), d["targets"])
+    out = torch_bridge.linear_logp(d["hidden"], d["weight"], t, ignore_index=7777, **kw)
+    assert torch.equal(out, logp)
+
+
+def test_empty_input():
+    w = torch.ones((100, 16), dtype=torch.bfloat16, requires_grad=True)
+    logp, ent = torch_bridge.linear_logp(torch.zeros((0, 16), dtype=torch.bfloat16), w,
+                                         torch.zeros((0,), dtype=torch.int64), return_entropy=True)
+    assert logp.shape == (0,) and ent.shape == (0,)
+    logp.sum().backward()
+    assert w.grad is None or not w.grad.float().any()
+    # the ops themselves take n = 0
+    dh, dw, db, dt = torch.ops.rlk.linear_logp_backward(
+        torch.zeros((0, 16)), torch.ones((10, 16)), torch.ones(10), torch.zeros(0, dtype=torch.int32),
+        torch.ones(0), torch.zeros(0), None, torch.zeros(0), None, 0, 10, 10, -100)
+    assert dh.shape == (0, 16) and not dw.any() and not db.any()
+
+
+_H, _W, _T = torch.ones((4, 8)), torch.ones((10, 8)), torch.ones((4,), dtype=torch.int64)
+
+
+@pytest.mark.parametrize("kwargs,exc,match", [
+    (dict(weight=torch.ones((10, 9))), ValueError, "hidden size"),
+    (dict(weight=torch.ones((10, 8), dtype=torch.bfloat16)), TypeError, "weight dtype"),
+    (dict(weight=torch.ones((10,))), ValueError, "weight must be"),
+    (dict(hidden=torch.ones((4, 8), dtype=torch.int32), weight=torch.ones((10, 8), dtype=torch.int32)), TypeError,
+     "hidden must be floating"),
+    (dict(hidden=[[1.0]]), TypeError, "hidden must be a torch.Tensor"),
+    (dict(targets=torch.ones((4,))), TypeError, "targets must be integer"),
+    (dict(targets=torch.ones((5,), dtype=torch.int64)), ValueError, "targets shape"),
+    (dict(targets=torch.ones((4,), dtype=torch.int64, device="meta")), ValueError, "targets is on meta"),
+    (dict(bias=torch.ones((11,))), ValueError, "bias must be"),
+    (dict(bias=torch.ones((10,), dtype=torch.bfloat16)), TypeError, "bias dtype"),
+    (dict(temperature=0.0), ValueError, "temperature"),
+    (dict(temperature=-1.0), ValueError, "temperature"),
+    (dict(temperature=float("inf")), ValueError, "temperature"),
+    (dict(temperature=torch.ones((3,))), ValueError, "temperature array"),
+    (dict(temperature=torch.ones((4,), dtype=torch.int64)), TypeError, "temperature must be"),
+    (dict(real_vocab_size=11), ValueError, "real_vocab_size"),
+    (dict(real_vocab_size=0), ValueError, "real_vocab_size"),
+    (dict(vocab_start=3), ValueError, "vocab_start"),
+    (dict(ignore_index=1.5), TypeError, "ignore_index"),
+    (dict(mode="fast"), ValueError, "mode"),
+    (dict(targets=torch.tensor([0, 1, 10, 2])), ValueError, r"targets\[2\] = 10 is outside \[0, 10\)"),
+])
+def test_bad_input_is_a_clear_error(kwargs, exc, match):
+    args = dict(hidden=_H, weight=_W, targets=_T)
+    args.update(kwargs)
+    h, w, t = args.pop("hidden"), args.pop("weight"), args.pop("targets")
+    with pytest.raises(exc, match=match):
+        torch_bridge.linear_logp(h, w, t, **args)
+
+
+def test_kernel_entry_points_reject_wrong_dtype_and_shape():
+    h, w = torch.ones((4, 8)), torch.ones((10, 8))
+    t, it = torch.zeros(4, dtype=torch.int32), torch.ones(4)
+    stats, tl = torch.empty((4, 1, 3)), torch.empty(4)
+    import _rlk_core as core
+    with pytest.raises(ValueError, match="targets"):
+        core.forward(h, w, None, t.long(), it, stats, tl, None, 0, 10, 10, -100, False, 0)
+    with pytest.raises(ValueError, match="chunk"):
+        core.forward(h, w, None, t, it, stats, tl, None, 0, 10, 3, -100, False, 0)
+    with pytest.raises(ValueError, match="stats"):
+        core.forward(h, w, None, t, it, torch.empty((4, 2, 3)), tl, None, 0, 10, 10, -100, False, 0)
+    with pytest.raises(ValueError, match="hidden must be"):  # wrong dtype: no silent conversion
+        core.forward(h.double(), w, None, t, it, stats, tl, None, 0, 10, 10, -100, False, 0)
+
+
+def test_python_chunk_rule_equals_the_compiled_one():
+    import _rlk_core as core
+    from torch_bridge._args import canonical_chunk
+    for v in list(range(1, 600)) + [151936, 75968, 128256, 37984, 2 ** 20, 3 * 2 ** 12]:
+        assert canonical_chunk(v) == core.canonical_chunk(v), v
+
+
+def test_import_does_not_import_jax():
+    code = "import sys, torch_bridge; assert 'jax' not in sys.modules, 'jax imported'; print('ok')"
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "ok" in r.stdout, r.stderr
+
+
+# ---- torch.library: opcheck and torch.compile ------------------------------------------------------
+
+def _op_samples():
+    d, kw, g, e = make_inputs(7, 13, 24, 300, "float32", bias=True, temp="array", ignore_frac=0.2)
+    h, w, b = d["hidden"], d["weight"], kw["bias"]
+    t, T = d["targets"].to(torch.int32), kw["temperature"]
+    chunk = 300 // 4  # canonical_chunk(300) = 75
+    stats, tl = torch.ops.rlk.forward_stats(h, w, b, t, T, 0, 290, chunk, -100, True)
+    logp, lse, ent = torch.ops.rlk.combine(stats, tl, t, 290, -100)
+    return dict(
+        forward_stats=[(h, w, b, t, T, 0, 290, chunk, -100, True), (h.bfloat16(), w.bfloat16(), None, t, T, 0, 300,
+                                                                     chunk, -100, False)],
+        combine=[(stats, tl, t, 290, -100)],
+        linear_logp_backward=[(h, w, b, t, T, lse, ent, g, e, 0, 290, chunk, -100),
+                              (h.half(), w.half(), None, t, T, lse, None, g, None, 0, 290, chunk, -100)],
+        linear_logp=[(h.clone().requires_grad_(), w.clone().requires_grad_(), b.clone().requires_grad_(), t,
+                      T.clone().requires_grad_(), 290, chunk, -100, True),
+                     (h.detach().bfloat16().requires_grad_(), w.detach().bfloat16().requires_grad_(), None, t,
+                      T.detach(), 300, chunk, -100, False)],
+    )
+
+
+@pytest.mark.parametrize("name", ["forward_stats", "combine", "linear_logp_backward", "linear_logp"])
+def test_opcheck(name):
+    op = getattr(torch.ops.rlk, name)
+    for args in _op_samples()[name]:
+        torch.library.opcheck(op, args)
+
+
+def test_torch_compile_fullgraph_forward_and_backward():
+    torch._dynamo.reset()
+    d, kw, g, e = make_inputs(8, 37, 32, 500, "bfloat16", bias=True, temp="array", ignore_frac=0.2,
+                              real_vocab=480)
+
+    def f(h, w, b, T, t):
+        logp, ent = torch_bridge.linear_logp(h, w, t, bias=b, temperature=T, real_vocab_size=480,
+                                             return_entropy=True)
+        return (logp * g).sum() + (ent * e).sum(), logp, ent
+
+    cf = torch.compile(f, fullgraph=True, backend="aot_eager")
+
+    def run(fn):
+        leaves = [x.detach().clone().requires_grad_() for x in (d["hidden"], d["weight"], kw["bias"],
+                                                                 kw["temperature"])]
+        loss, logp, ent = fn(*leaves, d["targets"])
+        grads = torch.autograd.grad(loss, leaves)
+        return [logp, ent, *grads]
+
+    eager, compiled = run(f), run(cf)
+    for a, b in zip(eager, compiled):
+        assert torch.equal(a, b)
+    # inductor too (the default backend), forward-only scoring
+    torch._dynamo.reset()
+    score = torch.compile(lambda h, w, t: torch_bridge.linear_logp(h, w, t, real_vocab_size=480), fullgraph=True)
+    with torch.no_grad():
+        assert torch.equal(score(d["hidden"], d["weight"], d["targets"]),
+                           torch_bridge.linear_logp(d["hidden"], d["weight"], d["targets"], real_vocab_size=480))
