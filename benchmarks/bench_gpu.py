@@ -197,23 +197,27 @@ def main():
 
 
 def write_markdown(meta, rows, path):
+    """Four small tables (forward, forward+backward, memory, accuracy): shapes down, paths across."""
     labels = [l for l in ORDER if any(l in r["paths"] for r in rows)]
     lines = [f"Measured {meta['date']} on {meta['gpu']} (torch {meta['torch']}, jax {meta.get('jax', '-')}); "
-             f"command: `{meta['command']}`.", "",
-             "Times in ms (median) and, in parentheses, as a multiple of the cuBLAS GEMM of the same shape. "
-             "fb = forward+backward. Memory: peak extra MB for fwd+bwd (torch: reserved delta; JAX: XLA temp).", ""]
-    head = "| shape | GEMM ms | " + " | ".join(f"{l} fwd | {l} fb | {l} MB | {l} err" for l in labels) + " |"
-    lines += [head, "|" + "---|" * (2 + 4 * len(labels))]
-    for r in rows:
-        cells = [r["shape"], f"{r['gemm_ms']:.2f}"]
-        for l in labels:
-            p = r["paths"].get(l, {})
-            if "error" in p or not p:
-                cells += ["error" if p else "-"] + ["-"] * 3
-                continue
-            cells += [f"{p['fwd_ms']:.2f} ({p['fwd_x_gemm']:.2f}x)", f"{p['fb_ms']:.2f} ({p['fb_x_gemm']:.2f}x)",
-                      f"{p.get('fb_mem_mb', 0):.0f}", f"{p.get('rel_err', float('nan')):.1e}"]
-        lines.append("| " + " | ".join(cells) + " |")
+             f"command: `{meta['command']}`.", ""]
+
+    def table(title, cell):
+        out = [f"**{title}**", "", "| shape | GEMM ms | " + " | ".join(labels) + " |",
+               "|" + "---|" * (2 + len(labels))]
+        for r in rows:
+            cells = [f"{r['shape']} ({r['n']}x{r['h']}x{r['v']})", f"{r['gemm_ms']:.2f}"]
+            for l in labels:
+                p = r["paths"].get(l)
+                cells.append("-" if p is None else ("error" if "error" in p else cell(p)))
+            out.append("| " + " | ".join(cells) + " |")
+        return out + [""]
+
+    lines += table("Forward, ms (x cuBLAS GEMM of the same shape)", lambda p: f"{p['fwd_ms']:.2f} ({p['fwd_x_gemm']:.2f}x)")
+    lines += table("Forward+backward, ms (x GEMM)", lambda p: f"{p['fb_ms']:.2f} ({p['fb_x_gemm']:.2f}x)")
+    lines += table("Peak extra memory, forward+backward, MB (torch: reserved delta; JAX: XLA temp)",
+                   lambda p: f"{p.get('fb_mem_mb', float('nan')):.0f}")
+    lines += table("logp relative error vs float64 (256 sampled rows)", lambda p: f"{p.get('rel_err', float('nan')):.1e}")
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
