@@ -1,0 +1,174 @@
+"""torch_bridge on CUDA: the oracle checks, consistency, opcheck, torch.compile, CUDA-graph capture
+and bitwise parity with rlk_xla (the same compiled kernels) on the same inputs."""
+import os
+
+import numpy as np
+import pytest
+import torch
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # share the GPU with torch
+
+import _rlk_core  # noqa: E402
+import torch_bridge  # noqa: E402
+from torch_bridge import provider as P  # noqa: E402
+from torch_helpers import case_grid, check_against_oracle, make_inputs, to_np, value_and_grads  # noqa: E402
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (torch.cuda.is_available() is False)"),
+    pytest.mark.skipif(not _rlk_core.has_cuda, reason="this build of _rlk_core has no CUDA backend"),
+]
+CUDA = "cuda"
+
+
+@pytest.fixture(autouse=True)
+def fresh_counters():
+    torch_bridge.reset_route_stats()
+    yield
+
+
+@pytest.mark.parametrize("n,h,v,dtype,o", case_grid()[::3], ids=lambda x: str(x) if not isinstance(x, dict) else "")
+def test_against_float64_oracle_cuda(n, h, v, dtype, o):
+    check_against_oracle(torch_bridge.linear_logp, n, h, v, dtype, o, device=CUDA)
+    b = torch_bridge.route_stats()["backends"]
+    assert b["cpu"]["fwd_calls"] == 0 and b["cuda_sm90"]["fwd_calls"] + b["cuda_portable"]["fwd_calls"] == 1
+
+
+@pytest.mark.parametrize("n,h,v", [(4096, 512, 32000), (1000, 2048, 7600), (333, 256, 50000)])
+def test_larger_shapes_cuda(n, h, v):
+    o = dict(bias=False, temp="scalar", ignore_frac=0.1, real_vocab=v - 64, entropy=True)
+    check_against_oracle(torch_bridge.linear_logp, n, h, v, "bfloat16", o, device=CUDA, seed=1)
+
+
+def _fwd_grads(d, kw, g, e):
+    logp, ent, grads = value_and_grads(torch_bridge.linear_logp, d, kw, g, e)
+    return [logp, ent, grads["hidden"], grads["weight"], grads["bias"], grads["temperature"]]
+
+
+def test_bitwise_deterministic_and_batch_invariant_cuda():
+    d, kw, g, e = make_inputs(3, 600, 256, 4000, "bfloat16", bias=True, temp="array", ignore_frac=0.1, device=CUDA)
+    first = _fwd_grads(d, kw, g, e)
+    for a, b in zip(first, _fwd_grads(d, kw, g, e)):
+        assert torch.equal(a, b)
+    for rows in (slice(5, 68), slice(0, 1), slice(500, 600)):
+        part = _fwd_grads(dict(d, hidden=d["hidden"][rows], targets=d["targets"][rows]),
+                          dict(kw, temperature=kw["temperature"][rows]), g[rows], e[rows])
+        for i in (0, 1, 2, 5):
+            assert torch.equal(part[i], first[i][rows]), (rows, i)
+
+
+def test_cuda_agrees_with_the_cpu_kernels():
+    d, kw, g, e = make_inputs(4, 100, 96, 1000, "float32", bias=True, device=CUDA)
+    gpu = torch_bridge.linear_logp(d["hidden"], d["weight"], d["targets"], bias=kw["bias"], return_entropy=True)
+    cpu = torch_bridge.linear_logp(d["hidden"].cpu(), d["weight"].cpu(), d["targets"].cpu(), bias=kw["bias"].cpu(),
+                                   return_entropy=True)
+    for a, b in zip(gpu, cpu):
+        torch.testing.assert_close(a.cpu(), b, rtol=2e-5, atol=2e-5)
+
+
+def test_opcheck_cuda():
+    d, kw, g, e = make_inputs(7, 13, 64, 512, "bfloat16", bias=True, temp="array", ignore_frac=0.2, device=CUDA)
+    h, w, b, t, T = d["hidden"], d["weight"], kw["bias"].float(), d["targets"].int(), kw["temperature"]
+    chunk = 64
+    stats, tl = torch.ops.rlk.forward_stats(h, w, b, t, T, 0, 500, chunk, -100, True)
+    logp, lse, ent = torch.ops.rlk.combine(stats, tl, t, 500, -100)
+    torch.library.opcheck(torch.ops.rlk.forward_stats, (h, w, b, t, T, 0, 500, chunk, -100, True))
+    torch.library.opcheck(torch.ops.rlk.combine, (stats, tl, t, 500, -100))
+    torch.library.opcheck(torch.ops.rlk.linear_logp_backward, (h, w, b, t, T, lse, ent, g, e, 0, 500, chunk, -100))
+    torch.library.opcheck(torch.ops.rlk.linear_logp, (h.clone().requires_grad_(), w.clone().requires_grad_(),
+                                                      b.clone().requires_grad_(), t, T.clone().requires_grad_(),
+                                                      500, chunk, -100, True))
+
+
+def test_torch_compile_cuda():
+    torch._dynamo.reset()
+    d, kw, g, e = make_inputs(8, 257, 128, 3000, "bfloat16", bias=True, temp="array", device=CUDA)
+
+    def f(h, w, b, T, t):
+        logp, ent = torch_bridge.linear_logp(h, w, t, bias=b, temperature=T, return_entropy=True)
+        return (logp * g).sum() + (ent * e).sum(), logp, ent
+
+    def run(fn):
+        leaves = [x.detach().clone().requires_grad_() for x in (d["hidden"], d["weight"], kw["bias"],
+                                                                 kw["temperature"])]
+        loss, logp, ent = fn(*leaves, d["targets"])
+        return [logp, ent, *torch.autograd.grad(loss, leaves)]
+
+    for a, b in zip(run(f), run(torch.compile(f, fullgraph=True))):
+        assert torch.equal(a, b)
+
+
+def test_cuda_graph_capture_and_replay():
+    d, kw, g, e = make_inputs(9, 300, 128, 2000, "bfloat16", bias=True, temp="array", ignore_frac=0.1, device=CUDA)
+    h = d["hidden"].clone().requires_grad_()
+    w = d["weight"].clone().requires_grad_()
+    t, T, b = d["targets"].clone(), kw["temperature"].clone(), kw["bias"]
+
+    def step():
+        logp, ent = torch_bridge.linear_logp(h, w, t, bias=b, temperature=T, return_entropy=True)
+        dh, dw = torch.autograd.grad((logp * g).sum() + (ent * e).sum(), [h, w])
+        return logp, ent, dh, dw
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static = step()
+    for seed in (10, 11):
+        d2, kw2, _, _ = make_inputs(seed, 300, 128, 2000, "bfloat16", bias=True, temp="array", ignore_frac=0.1,
+                                    device=CUDA)
+        with torch.no_grad():
+            h.copy_(d2["hidden"]), w.copy_(d2["weight"]), t.copy_(d2["targets"]), T.copy_(kw2["temperature"])
+        graph.replay()
+        torch.cuda.synchronize()
+        eager = step()
+        for a, b_ in zip(static, eager):
+            assert torch.equal(a, b_)
+
+
+def test_provider_strict_cuda_route():
+    d, kw, g, e = make_inputs(12, 64, 128, 1024, "bfloat16", device=CUDA)
+    ctx = P.LinearLogpContext(d["hidden"], P.LinearProjection(d["weight"]), P.VocabPartition(0, 1024, 1024, 1024))
+    r = P.compute_linear_logp(P.LinearLogpRequest(d["targets"], context=ctx, with_entropy=True), "strict")
+    assert r.backend_id in ("rlk.cuda_sm90", "rlk.cuda_portable") and r.logp.device.type == "cuda"
+
+
+# ---- parity with rlk_xla: the same kernels, the same bits -----------------------------------------
+
+@pytest.mark.parametrize("dtype,bias,temp", [("bfloat16", True, "array"), ("float16", False, "scalar"),
+                                             ("float32", True, None)])
+def test_bitwise_equal_to_rlk_xla(dtype, bias, temp):
+    jax = pytest.importorskip("jax")
+    import jax.numpy as jnp
+    if jax.default_backend() != "gpu":
+        pytest.skip(f"jax has no GPU backend here ({jax.default_backend()})")
+    import rlk_xla
+    n, h, v, real = 777, 256, 8192, 8100
+    d, kw, g, e = make_inputs(13, n, h, v, dtype, bias=bias, temp=temp, ignore_frac=0.1, real_vocab=real,
+                              device=CUDA)
+    ours = _fwd_grads(d, kw, g, e)
+    jd = {k: jnp.asarray(to_np(x)).astype(getattr(jnp, dtype)) for k, x in d.items() if k != "targets"}
+    jt = jnp.asarray(d["targets"].cpu().numpy().astype(np.int32))
+    jkw = {k: (jnp.asarray(to_np(x)).astype(getattr(jnp, dtype) if k == "bias" else jnp.float32)
+               if isinstance(x, torch.Tensor) else x) for k, x in kw.items()}
+    names = ["hidden", "weight"] + [k for k in ("bias", "temperature") if isinstance(kw.get(k), torch.Tensor)]
+    jg, je = jnp.asarray(g.cpu().numpy()), jnp.asarray(e.cpu().numpy())
+
+    def loss(*args):
+        p = dict(zip(names, args))
+        out = rlk_xla.linear_logp(p["hidden"], p["weight"], jt, return_entropy=True,
+                                  **{**jkw, **{k: p[k] for k in names[2:]}})
+        logp, ent = out
+        return jnp.sum(logp * jg) + jnp.sum(ent * je), (logp, ent)
+
+    (_, (jlogp, jent)), jgrads = jax.value_and_grad(loss, argnums=tuple(range(len(names))), has_aux=True)(
+        *[jd[k] if k in jd else jkw[k] for k in names])
+    theirs = {"logp": jlogp, "ent": jent, **dict(zip(names, jgrads))}
+    mine = dict(zip(["logp", "ent", "hidden", "weight", "bias", "temperature"], ours))
+    for k, x in theirs.items():
+        a = np.asarray(x.astype(jnp.float32) if x.dtype != jnp.float32 else x)
+        np.testing.assert_array_equal(to_np(mine[k]), a, err_msg=k)
