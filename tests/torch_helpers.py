@@ -100,3 +100,33 @@ def check_against_oracle(fn, n, h, v, dtype, o, seed=0, device="cpu"):
         oracle.assert_grad(to_np(grads["bias"]), ref["db"], dtype, "d bias", ref["db_abs"])
     if "temperature" in grads:
         oracle.assert_grad(to_np(grads["temperature"]), ref["dtemp"], "float32", "d temperature", ref["dtemp_abs"])
+
+
+def jax_side(path_in, path_out):
+    """rlk_xla's logp, entropy and gradients for the inputs saved in path_in (npz), written to
+    path_out: run in a subprocess by the GPU parity test, so that a crash of the JAX side is a test
+    failure rather than the end of the test session."""
+    import os
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    import jax
+    import jax.numpy as jnp
+    import rlk_xla
+    z = dict(np.load(path_in))
+    dtype = getattr(jnp, str(z.pop("dtype")))
+    names = [k for k in ("hidden", "weight", "bias", "temperature") if k in z]
+    args = [jnp.asarray(z[k]).astype(jnp.float32 if k == "temperature" else dtype) for k in names]
+    kw = dict(real_vocab_size=int(z["real_vocab"]))
+    if "temperature_scalar" in z:
+        kw["temperature"] = float(z["temperature_scalar"])
+    t, g, e = jnp.asarray(z["targets"].astype(np.int32)), jnp.asarray(z["g"]), jnp.asarray(z["e"])
+
+    def loss(*a):
+        p = dict(zip(names, a))
+        logp, ent = rlk_xla.linear_logp(p["hidden"], p["weight"], t, return_entropy=True,
+                                        **{**kw, **{k: p[k] for k in names[2:]}})
+        return jnp.sum(logp * g) + jnp.sum(ent * e), (logp, ent)
+
+    (_, (logp, ent)), grads = jax.value_and_grad(loss, argnums=tuple(range(len(names))), has_aux=True)(*args)
+    out = {"logp": logp, "ent": ent, **dict(zip(names, grads))}
+    np.savez(path_out, backend=jax.default_backend(),
+             **{k: np.asarray(v.astype(jnp.float32)) for k, v in out.items()})
