@@ -2,7 +2,8 @@
 # On a GPU machine (the device tool; see docs/benchmarks.md): build this checkout into the machine's
 # python and run the steps named on the command line, logs and results under $OUT.
 #   build    install carried wheels (.whl/: nvidia-cutlass, liger-kernel, cut-cross-entropy) and build
-#   test     pytest -m gpu (JAX and torch on one GPU) + python -m rlk_xla check
+#   test     pytest -m gpu (JAX and torch on one GPU)
+#   check    python -m rlk_xla check
 #   bench    benchmarks/bench_gpu.py over every shape of DESIGN.md section 6
 #   tp       benchmarks/tp_gpu.py (JAX, all GPUs) and tp_torch.py (torchrun, NCCL), cross-frontend check
 set -o pipefail
@@ -24,13 +25,15 @@ for step in "$@"; do
       python3 -c "import _rlk_core as c; print('built: cuda', c.has_cuda, 'ffi', c.has_xla_ffi)" | tee -a "$OUT/build.log"
       echo "build took $(( $(date +%s) - t0 )) s" | tee -a "$OUT/build.log" ;;
     test)
-      timeout 400 python3 -m pytest -q -m gpu tests -x -p no:cacheprovider 2>&1 | tail -n 40 | tee "$OUT/gpu_tests.log"
+      timeout ${TEST_TIMEOUT:-400} python3 -m pytest -q -m gpu tests -x -p no:cacheprovider 2>&1 | tail -n 40 | tee "$OUT/gpu_tests.log"
+      true ;;
+    check)
       timeout 120 python3 -m rlk_xla check 2>/dev/null | tee "$OUT/check.log" ;;
     bench)
-      timeout 540 python3 benchmarks/bench_gpu.py --out "$OUT" 2>"$OUT/bench.err" | tail -n 12 ;;
+      timeout ${BENCH_TIMEOUT:-540} python3 benchmarks/bench_gpu.py --out "$OUT" 2>"$OUT/bench.err" | tail -n 12 ;;
     tp)
-      timeout 240 python3 benchmarks/tp_gpu.py --out "$OUT" 2>&1 | tee "$OUT/tp_jax.log"
-      timeout 240 torchrun --nproc_per_node "$(nvidia-smi -L | wc -l)" benchmarks/tp_torch.py --out "$OUT" 2>&1 \
+      timeout ${TP_TIMEOUT:-240} python3 benchmarks/tp_gpu.py --out "$OUT" 2>&1 | tee "$OUT/tp_jax.log"
+      timeout ${TP_TIMEOUT:-240} torchrun --nproc_per_node "$(nvidia-smi -L | wc -l)" benchmarks/tp_torch.py --out "$OUT" 2>&1 \
         | grep -v Warning | tee "$OUT/tp_torch.log"
       python3 - "$OUT" <<'PY' | tee "$OUT/tp_cross.log"
 import glob, os, sys, numpy as np

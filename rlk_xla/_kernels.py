@@ -40,8 +40,9 @@ def _sds(shape, dtype=F32, operands=()):
     return result_type(tuple(shape), dtype, operands)
 
 
-def _on_platform(results, cuda_workspace: int, name: str, args, attrs):
-    """ffi_call `name` on whichever platform this lowers for."""
+def _on_platform(results, cuda_workspace: int | None, name: str, args, attrs):
+    """ffi_call `name` on whichever platform this lowers for. The CUDA handlers of forward and
+    backward take a trailing scratch result of `cuda_workspace` bytes; combine (None) takes none."""
     registered_platforms()
 
     def cpu(*a):
@@ -51,6 +52,8 @@ def _on_platform(results, cuda_workspace: int, name: str, args, attrs):
         return cpu(*args)
 
     def cuda(*a):
+        if cuda_workspace is None:
+            return cpu(*a)
         with_ws = list(results) + [_sds((max(cuda_workspace, 1),), jnp.uint8, a)]
         out = jax.ffi.ffi_call(name, with_ws, vmap_method="expand_dims")(*a, **attrs)
         return tuple(out[:-1])
@@ -82,7 +85,7 @@ def combine(stats, target_logit, targets, *, real_vocab: int, ignore_index: int)
     n = stats.shape[0]
     attrs = dict(real_vocab=np.int64(real_vocab), ignore_index=np.int64(ignore_index))
     args = (stats, target_logit, targets)
-    return _on_platform((_sds((n,), F32, args),) * 3, 0, "rlk_combine", args, attrs)
+    return _on_platform((_sds((n,), F32, args),) * 3, None, "rlk_combine", args, attrs)
 
 
 def backward(hidden, weight, bias, targets, inv_temp, lse, entropy, g, e, cfg: KernelConfig):
