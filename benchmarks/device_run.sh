@@ -9,7 +9,8 @@
 set -o pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
+mkdir -p "$OUT" /tmp/rlk-out
+LOG="$OUT/run.log"  # one log: the device tool brings back at most 8 files
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
 if [ -d .whl ]; then
@@ -19,23 +20,24 @@ fi
 for step in "$@"; do
   case $step in
     build)
-      nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,power.draw --format=csv | tee "$OUT/gpu.txt"
+      nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,power.draw --format=csv | tee -a "$LOG"
       t0=$(date +%s)
-      python3 -m pip install -q --no-build-isolation -C build-dir=/tmp/rlk-build . 2>&1 | tail -n 30 | tee "$OUT/build.log"
-      python3 -c "import _rlk_core as c; print('built: cuda', c.has_cuda, 'ffi', c.has_xla_ffi)" | tee -a "$OUT/build.log"
-      echo "build took $(( $(date +%s) - t0 )) s" | tee -a "$OUT/build.log" ;;
+      python3 -m pip install -q --no-build-isolation -C build-dir=/tmp/rlk-build . 2>&1 | tail -n 30 | tee -a "$LOG"
+      python3 -c "import _rlk_core as c; print('built: cuda', c.has_cuda, 'ffi', c.has_xla_ffi)" | tee -a "$LOG"
+      echo "build took $(( $(date +%s) - t0 )) s" | tee -a "$LOG" ;;
     test)
-      timeout ${TEST_TIMEOUT:-400} python3 -m pytest -q -m gpu tests -x -p no:cacheprovider 2>&1 | tail -n 40 | tee "$OUT/gpu_tests.log"
-      true ;;
+      timeout ${TEST_TIMEOUT:-400} python3 -m pytest -q -m gpu tests -p no:cacheprovider 2>&1 | tail -n 40 | tee -a "$LOG"
+      ;;
     check)
-      timeout 120 python3 -m rlk_xla check 2>/dev/null | tee "$OUT/check.log" ;;
+      timeout 120 python3 -m rlk_xla check 2>/dev/null | tee -a "$LOG" ;;
     bench)
-      timeout ${BENCH_TIMEOUT:-540} python3 benchmarks/bench_gpu.py --out "$OUT" 2>"$OUT/bench.err" | tail -n 12 ;;
+      timeout ${BENCH_TIMEOUT:-540} python3 benchmarks/bench_gpu.py --out "$OUT" 2>/tmp/rlk-out/bench.err | tail -n 40 | tee -a "$LOG" ;;
     tp)
-      timeout ${TP_TIMEOUT:-240} python3 benchmarks/tp_gpu.py --out "$OUT" 2>&1 | tee "$OUT/tp_jax.log"
-      timeout ${TP_TIMEOUT:-240} torchrun --nproc_per_node "$(nvidia-smi -L | wc -l)" benchmarks/tp_torch.py --out "$OUT" 2>&1 \
-        | grep -v Warning | tee "$OUT/tp_torch.log"
-      python3 - "$OUT" <<'PY' | tee "$OUT/tp_cross.log"
+      timeout ${TP_TIMEOUT:-240} python3 benchmarks/tp_gpu.py --out /tmp/rlk-out 2>&1 | tee -a "$LOG"
+      timeout ${TP_TIMEOUT:-240} torchrun --nproc_per_node "$(nvidia-smi -L | wc -l)" benchmarks/tp_torch.py --out /tmp/rlk-out 2>&1 \
+        | grep -v Warning | tee -a "$LOG"
+      cp /tmp/rlk-out/tp_*.json "$OUT"/
+      python3 - /tmp/rlk-out <<'PY' | tee -a "$LOG"
 import glob, os, sys, numpy as np
 out = sys.argv[1]
 for f in sorted(glob.glob(os.path.join(out, "tp_jax_*_logp.npy"))):
