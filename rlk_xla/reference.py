@@ -26,7 +26,8 @@ def linear_logp(hidden, weight, targets, *, bias=None, temperature=1.0, ignore_i
 
 def rows(a: Args, with_entropy: bool):
     """logp and entropy ([n] f32 each; entropy zeros when not asked) of parsed arguments."""
-    logits = jnp.dot(a.hidden, a.weight.T, preferred_element_type=F32)
+    # HIGHEST: fp32 operands stay fp32 on GPUs too (no TF32), as befits the oracle.
+    logits = jnp.dot(a.hidden, a.weight.T, preferred_element_type=F32, precision=lax.Precision.HIGHEST)
     if a.bias is not None:
         logits = logits + a.bias.astype(F32)
     z = logits / a.temperature[:, None]

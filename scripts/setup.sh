@@ -15,10 +15,6 @@ pip install -q "jax>=0.6" numpy nanobind "scikit-build-core>=0.10" ninja pytest 
 # torch_bridge is optional: a CPU build of torch is enough for its tests here.
 python -c "import torch" 2>/dev/null || pip install -q "torch==2.13.0" \
   || echo "setup: torch not installed; torch_bridge tests will be skipped"
-if [ "${RLK_CUDA:-ON}" != "OFF" ] && command -v nvcc >/dev/null; then
-  # CuTe headers for the SM90 fast path (headers only; found at build time without importing).
-  pip install -q --no-deps "nvidia-cutlass==4.2.0.0" || echo "setup: nvidia-cutlass not installed; no SM90 fast path"
-fi
 # --no-build-isolation: build against the jaxlib installed here, whose FFI headers it accepts.
 pip install -q --no-build-isolation . 2>&1 | tail -n 20
 python -c "import _rlk_core as c; print('setup: _rlk_core built; xla_ffi =', c.has_xla_ffi, '; cuda =', c.has_cuda)"
