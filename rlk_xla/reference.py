@@ -26,8 +26,10 @@ def linear_logp(hidden, weight, targets, *, bias=None, temperature=1.0, ignore_i
 
 def rows(a: Args, with_entropy: bool):
     """logp and entropy ([n] f32 each; entropy zeros when not asked) of parsed arguments."""
-    # HIGHEST: fp32 operands stay fp32 on GPUs too (no TF32), as befits the oracle.
-    logits = jnp.dot(a.hidden, a.weight.T, preferred_element_type=F32, precision=lax.Precision.HIGHEST)
+    # fp32 operands stay fp32 on GPUs too (HIGHEST: no TF32), as befits the oracle; bf16/fp16
+    # operands are exact in the fp32-accumulating default and HIGHEST would only slow them down.
+    precision = lax.Precision.HIGHEST if a.hidden.dtype == jnp.float32 else None
+    logits = jnp.dot(a.hidden, a.weight.T, preferred_element_type=F32, precision=precision)
     if a.bias is not None:
         logits = logits + a.bias.astype(F32)
     z = logits / a.temperature[:, None]
