@@ -20,7 +20,6 @@ import datetime
 import json
 import os
 import sys
-import time
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # JAX and torch share the GPU here
 
@@ -42,14 +41,8 @@ def jax_rows(h_t, w_t, t_t, g_t, iters=10):
 
     h, w, t, g = (jax.dlpack.from_dlpack(x.detach()) for x in (h_t, w_t, t_t.int(), g_t))
 
-    def timeit(f, *a):
-        jax.block_until_ready(f(*a))
-        ts = []
-        for _ in range(iters):
-            t0 = time.perf_counter()
-            jax.block_until_ready(f(*a))
-            ts.append(time.perf_counter() - t0)
-        return float(np.median(ts) * 1e3)
+    from rlk_xla.cli import time_ms
+    timeit = lambda f, *a: time_ms(f, *a, iters=iters)
 
     def chunked(h, w, t, chunk=1024):  # the anchors' chunked baseline: lax.map over rows + remat
         n = h.shape[0]

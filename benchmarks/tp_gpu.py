@@ -12,7 +12,6 @@ import argparse
 import json
 import os
 import sys
-import time
 
 for k, v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"), ("NVSHMEM_DISABLE_NVLS", "1"),
              ("XLA_PYTHON_CLIENT_PREALLOCATE", "false")):
@@ -25,20 +24,15 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
 import rlk_xla  # noqa: E402
 from rlk_xla._compat import shard_map  # noqa: E402
+from rlk_xla.cli import time_ms  # noqa: E402
 
 # (name, tokens, hidden, vocab per rank at the TP degree of the run)
 OUT_DIR = "."
 SHAPES = {"T3": (6827, 2048, 75968), "Q8B-tp4": (4096, 4096, 37984)}
 
 
-def timeit(f, *a, iters=20):
-    jax.block_until_ready(f(*a))
-    ts = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        jax.block_until_ready(f(*a))
-        ts.append(time.perf_counter() - t0)
-    return float(np.median(ts) * 1e3)
+def timeit(f, *a):
+    return time_ms(f, *a, iters=20)
 
 
 def run_shape(name, n, hd, v_local, tp, mesh):

@@ -98,7 +98,8 @@ def check(device_name: str = "default") -> int:
     return 0 if ok else 1
 
 
-def _time(fn, *args, iters: int) -> float:
+def time_ms(fn, *args, iters: int = 10) -> float:
+    """Median wall time (ms) of a JAX callable around block_until_ready, after one warm-up call."""
     jax.block_until_ready(fn(*args))
     ts = []
     for _ in range(iters):
@@ -125,16 +126,16 @@ def bench(shapes, device_name: str, dtype: str, iters: int) -> int:
         hh, ww, tt = _inputs(n, h, v, jnp.dtype(dtype), device=dev)
         res = {}
         progress(step, steps, f"{name}: gemm")
-        res["gemm"] = _time(jax.jit(lambda a, b: a @ b.T), hh, ww, iters=iters)
+        res["gemm"] = time_ms(jax.jit(lambda a, b: a @ b.T), hh, ww, iters=iters)
         step += 1
         for label, fn in (("fused", linear_logp), ("reference", reference.linear_logp)):
             fwd = jax.jit(lambda a, b, fn=fn: fn(a, b, tt))
             fb = jax.jit(jax.grad(lambda a, b, fn=fn: jnp.sum(fn(a, b, tt)), argnums=(0, 1)))
             progress(step, steps, f"{name}: {label} fwd")
-            res[label, "fwd"] = _time(fwd, hh, ww, iters=iters)
+            res[label, "fwd"] = time_ms(fwd, hh, ww, iters=iters)
             step += 1
             progress(step, steps, f"{name}: {label} fwd+bwd")
-            res[label, "fb"] = _time(fb, hh, ww, iters=iters)
+            res[label, "fb"] = time_ms(fb, hh, ww, iters=iters)
             res[label, "mem"] = _temp_mb(fb, hh, ww)
             step += 1
         rows.append((name, f"{n}x{h}x{v}", f"{res['gemm']:.2f}",

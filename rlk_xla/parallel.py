@@ -1,7 +1,6 @@
 """vocab_parallel_linear_logp: linear_logp over a mesh, the LM head sharded over `vocab_axis`."""
 from __future__ import annotations
 
-import functools
 
 from jax.sharding import PartitionSpec as P
 

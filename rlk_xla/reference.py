@@ -5,7 +5,6 @@ weight is this device's vocab shard and the statistics are combined with collect
 """
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 

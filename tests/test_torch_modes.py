@@ -1,7 +1,6 @@
 """Modes (off / auto / strict / audit), route counters, and the provider contract (torch_bridge.provider)."""
 import dataclasses
 
-import numpy as np
 import pytest
 import torch
 

@@ -4,7 +4,6 @@ options, the reference (off) path and the provider under TP."""
 import os
 import socket
 
-import numpy as np
 import pytest
 import torch
 import torch.distributed as dist

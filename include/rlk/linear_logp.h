@@ -74,21 +74,6 @@ RLK_HD TargetKind classify_target(int64_t t, int64_t real_vocab, int64_t ignore_
   return TargetKind::kValid;
 }
 
-// Fold one logit z into running statistics (m, s, a) of the definition above.
-RLK_HD void stats_push(float z, float& m, float& s, float& a) {
-  if (z > m) {
-    const float d = m - z;  // <= 0; m = -inf gives alpha = 0 and s = a = 0 already
-    const float alpha = expf(d);
-    a = (s > 0.f) ? alpha * (a + d * s) : 0.f;
-    s = (s > 0.f) ? alpha * s : 0.f;
-    m = z;
-  }
-  const float t = z - m;
-  const float e = expf(t);
-  s += e;
-  a += e * t;
-}
-
 // Merge statistics (m2, s2, a2) into (m, s, a); used in a fixed order only.
 RLK_HD void stats_merge(float m2, float s2, float a2, float& m, float& s, float& a) {
   if (!(s2 > 0.f)) return;
