@@ -36,13 +36,13 @@ def result_type(shape, dtype, operands):
     varying = frozenset().union(*(vma(x) for x in operands))
     if not varying:
         return jax.ShapeDtypeStruct(shape, dtype)
-    for x in operands:
-        aval = jax.typeof(x)
-        mat = getattr(aval, "manual_axis_type", None)
-        if mat is not None:  # jax >= 0.10: an abstract value of the operand's mesh, reshaped
-            return aval.update(shape=tuple(shape), dtype=jax.numpy.dtype(dtype), weak_type=False,
-                               manual_axis_type=mat.update(varying=varying))
-    return jax.ShapeDtypeStruct(shape, dtype, vma=varying)  # jax 0.7 - 0.9
+    # An abstract value of the operands' mesh, reshaped: ffi_call keeps its varying axes.
+    aval = jax.typeof(operands[0])
+    like = dict(shape=tuple(shape), dtype=jax.numpy.dtype(dtype), weak_type=False)
+    mat = getattr(aval, "manual_axis_type", None)
+    if mat is not None:  # jax >= 0.10
+        return aval.update(**like, manual_axis_type=mat.update(varying=varying))
+    return aval.update(**like, vma=varying)  # jax 0.6 - 0.9
 
 
 def psum_to(ct, like, axis_name):

@@ -1,3 +1,7 @@
+import pytest
+
+pytest.importorskip("jax", reason="jax is not installed: these tests need it")
+
 import itertools
 
 import jax

@@ -1,9 +1,12 @@
 """rlk_xla on a CUDA GPU (marked gpu; skipped without one): the CUDA kernels against the float64
 oracle at odd shapes, bitwise determinism and batch invariance, N*V > 2^31, and the route taken."""
+import pytest
+
+pytest.importorskip("jax", reason="jax is not installed: these tests need it")
+
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 
 import rlk_xla
 import oracle

@@ -1,7 +1,10 @@
 """Modes (off / auto / strict / audit), route counters, and the provider contract (torch_bridge.provider)."""
+import pytest
+
+pytest.importorskip("torch", reason="torch is not installed: these tests need it")
+
 import dataclasses
 
-import pytest
 import torch
 
 import _rlk_core

@@ -1,4 +1,8 @@
 """Inputs and autograd helpers for the torch_bridge tests (no jax needed)."""
+import pytest
+
+pytest.importorskip("torch", reason="torch is not installed: these tests need it")
+
 import itertools
 
 import numpy as np
