@@ -2,7 +2,6 @@ import pytest
 
 pytest.importorskip("jax", reason="jax is not installed: these tests need it")
 
-import itertools
 
 import jax
 import jax.numpy as jnp
@@ -54,22 +53,3 @@ def value_and_grads(fn, d, kw, g, e, with_entropy=True):
     args = [d["hidden"], d["weight"]] + [kw[k] for k in names[2:]]
     (_, (logp, ent)), grads = jax.value_and_grad(loss, argnums=tuple(range(len(args))), has_aux=True)(*args)
     return logp, ent, dict(zip(names, grads))
-
-
-def case_grid():
-    """Odd shapes x dtypes x options, options rotating so each appears with every dtype."""
-    opts = itertools.cycle([
-        dict(bias=True, temp="scalar", ignore_frac=0.2, real_vocab=None, entropy=True),
-        dict(bias=False, temp="array", ignore_frac=0.0, real_vocab="pad", entropy=True),
-        dict(bias=True, temp="array", ignore_frac=0.3, real_vocab="pad", entropy=False),
-        dict(bias=False, temp=None, ignore_frac=0.1, real_vocab=None, entropy=True),
-    ])
-    cases = []
-    for n, h, v in itertools.product((1, 3, 127, 1000), (8, 96, 256), (1000, 517)):
-        if n == 1000 and h == 256 and v == 517:
-            continue
-        for dtype in DTYPES:
-            o = dict(next(opts))
-            o["real_vocab"] = v - 37 if o["real_vocab"] == "pad" else None
-            cases.append((n, h, v, dtype, o))
-    return cases

@@ -3,6 +3,8 @@
 Operands are taken exactly as the kernels see them (their dtype's values, widened to float64),
 so the only differences left are the kernels' fp32 arithmetic and output rounding.
 """
+import itertools
+
 import numpy as np
 
 # Tolerances from the dtype of what is compared:
@@ -81,3 +83,25 @@ def assert_grad(x, ref, dtype, what, ref_abs=None):
     tol = GRAD_RTOL[str(dtype)] + (ACCUM_RTOL * np.linalg.norm(ref_abs) / den if ref_abs is not None else 0.0)
     assert np.all(np.isfinite(f64(x))), f"{what}: non-finite gradient"
     assert err <= tol, f"{what}: relative error {err:.3g} > {tol:.3g}"
+
+
+DTYPE_NAMES = ("bfloat16", "float16", "float32")
+
+
+def case_grid():
+    """Odd shapes x dtypes x options, options rotating so each appears with every dtype."""
+    opts = itertools.cycle([
+        dict(bias=True, temp="scalar", ignore_frac=0.2, real_vocab=None, entropy=True),
+        dict(bias=False, temp="array", ignore_frac=0.0, real_vocab="pad", entropy=True),
+        dict(bias=True, temp="array", ignore_frac=0.3, real_vocab="pad", entropy=False),
+        dict(bias=False, temp=None, ignore_frac=0.1, real_vocab=None, entropy=True),
+    ])
+    cases = []
+    for n, h, v in itertools.product((1, 3, 127, 1000), (8, 96, 256), (1000, 517)):
+        if n == 1000 and h == 256 and v == 517:
+            continue
+        for dtype in DTYPE_NAMES:
+            o = dict(next(opts))
+            o["real_vocab"] = v - 37 if o["real_vocab"] == "pad" else None
+            cases.append((n, h, v, dtype, o))
+    return cases

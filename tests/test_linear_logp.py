@@ -9,7 +9,8 @@ import numpy as np
 
 import rlk_xla
 import oracle
-from helpers import case_grid, make_inputs, value_and_grads
+from helpers import make_inputs, value_and_grads
+from oracle import case_grid
 
 
 def check_against_oracle(n, h, v, dtype, o, fn=rlk_xla.linear_logp, seed=0):

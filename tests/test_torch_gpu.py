@@ -14,7 +14,8 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # share the GPU
 import _rlk_core  # noqa: E402
 import torch_bridge  # noqa: E402
 from torch_bridge import provider as P  # noqa: E402
-from torch_helpers import case_grid, check_against_oracle, make_inputs, to_np, value_and_grads  # noqa: E402
+from oracle import case_grid
+from torch_helpers import check_against_oracle, make_inputs, to_np, value_and_grads  # noqa: E402
 
 pytestmark = [
     pytest.mark.gpu,

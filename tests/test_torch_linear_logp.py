@@ -14,7 +14,8 @@ import torch
 import oracle
 import torch_bridge
 from torch_bridge import _ops  # noqa: F401
-from torch_helpers import case_grid, check_against_oracle, make_inputs, to_np, value_and_grads
+from oracle import case_grid
+from torch_helpers import check_against_oracle, make_inputs, to_np, value_and_grads
 
 
 @pytest.mark.parametrize("n,h,v,dtype,o", case_grid(), ids=lambda x: str(x) if not isinstance(x, dict) else "")
