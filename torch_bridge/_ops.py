@@ -14,6 +14,8 @@ the CUDA workspace are allocated with torch's allocator; CUDA kernels run on the
 """
 from __future__ import annotations
 
+import contextlib
+
 from typing import Optional, Tuple
 
 import torch
@@ -28,6 +30,11 @@ W = int(core.STAT_WIDTH)
 
 def _stream(t: Tensor) -> int:
     return torch.cuda.current_stream(t.device).cuda_stream if t.device.type == "cuda" else 0
+
+
+def _on(t: Tensor):
+    """The kernels launch on the current CUDA device: make it the tensors' device."""
+    return torch.cuda.device(t.device) if t.device.type == "cuda" else contextlib.nullcontext()
 
 
 def _c(t: Optional[Tensor]) -> Optional[Tensor]:
@@ -58,9 +65,10 @@ def _forward_stats(hidden, weight, bias, targets, temperature, vocab_start, real
     tl = torch.empty((n,), dtype=F32, device=hidden.device)
     if n == 0:
         return stats, tl
-    core.forward(_c(hidden), _c(weight), _c(bias), _c(targets), _inv_temp(temperature), stats, tl,
-                 _workspace(hidden, v, chunk, bias is not None, with_entropy, False), int(vocab_start),
-                 int(real_vocab), int(chunk), int(ignore_index), bool(with_entropy), _stream(hidden))
+    with _on(hidden):
+        core.forward(_c(hidden), _c(weight), _c(bias), _c(targets), _inv_temp(temperature), stats, tl,
+                     _workspace(hidden, v, chunk, bias is not None, with_entropy, False), int(vocab_start),
+                     int(real_vocab), int(chunk), int(ignore_index), bool(with_entropy), _stream(hidden))
     return stats, tl
 
 
@@ -85,8 +93,9 @@ def _combine(stats, target_logit, targets, real_vocab, ignore_index):
     logp, lse, ent = (torch.empty((n,), dtype=F32, device=stats.device) for _ in range(3))
     if n == 0:
         return logp, lse, ent
-    core.combine(_c(stats), _c(target_logit), _c(targets), logp, lse, ent, int(real_vocab), int(ignore_index),
-                 _stream(stats))
+    with _on(stats):
+        core.combine(_c(stats), _c(target_logit), _c(targets), logp, lse, ent, int(real_vocab), int(ignore_index),
+                     _stream(stats))
     return logp, lse, ent
 
 
@@ -117,10 +126,11 @@ def _backward(hidden, weight, bias, targets, temperature, lse, entropy, g, e, vo
         return dh, dw, db, dzz
     with_entropy = entropy is not None and e is not None
     inv = _inv_temp(temperature)
-    core.backward(_c(hidden), _c(weight), _c(bias), _c(targets), inv, _c(lse), _c(entropy) if with_entropy else None,
-                  _c(g.to(F32)), _c(e.to(F32)) if with_entropy else None, dh, dw, db if bias is not None else None,
-                  dzz, _workspace(hidden, v, chunk, bias is not None, with_entropy, True), int(vocab_start),
-                  int(real_vocab), int(chunk), int(ignore_index), _stream(hidden))
+    with _on(hidden):
+        core.backward(_c(hidden), _c(weight), _c(bias), _c(targets), inv, _c(lse), _c(entropy) if with_entropy else None,
+                      _c(g.to(F32)), _c(e.to(F32)) if with_entropy else None, dh, dw, db if bias is not None else None,
+                      dzz, _workspace(hidden, v, chunk, bias is not None, with_entropy, True), int(vocab_start),
+                      int(real_vocab), int(chunk), int(ignore_index), _stream(hidden))
     return dh, dw, db, -inv * dzz
 
 
