@@ -62,9 +62,12 @@ def jax_rows(h_t, w_t, t_t, g_t, iters=10):
     for label, fn in paths:
         fwd = jax.jit(lambda h, w, fn=fn: fn(h, w, t))
         fb = jax.jit(jax.grad(lambda h, w, fn=fn: jnp.sum(fn(h, w, t) * g), argnums=(0, 1)))
-        out[label] = dict(fwd_ms=timeit(fwd, h, w), fb_ms=timeit(fb, h, w),
-                          fb_mem_mb=fb.lower(h, w).compile().memory_analysis().temp_size_in_bytes / 2 ** 20,
-                          logp=torch.from_dlpack(fwd(h, w)))
+        try:
+            out[label] = dict(fwd_ms=timeit(fwd, h, w), fb_ms=timeit(fb, h, w),
+                              fb_mem_mb=fb.lower(h, w).compile().memory_analysis().temp_size_in_bytes / 2 ** 20,
+                              logp=torch.from_dlpack(fwd(h, w)))
+        except Exception as e:  # report and keep going: one broken path must not hide the rest
+            out[label] = dict(error=repr(e)[:300])
     rlk_xla.reset_route_stats()
     jax.block_until_ready(jax.jit(lambda h, w: rlk_xla.linear_logp(h, w, t, mode="strict"))(h, w))
     out["rlk_xla"]["route"] = ",".join(k for k, v in rlk_xla.route_stats()["backends"].items() if v["fwd_calls"])
