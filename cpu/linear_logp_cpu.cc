@@ -217,7 +217,8 @@ void dlogit_tile(float* t, int64_t gid0, int64_t valid, const RowBlock& rb, f32x
 }
 
 struct BwdScratch {
-  std::vector<float> wf, t, dh, dwt;
+  std::vector<float> wf, t, dh;  // pass 1
+  std::vector<float> dwt, dt, row;  // pass 2: dW^T [h][kTileV], dlogit^T [kBlock][kTileV], a dW row [h]
 };
 
 // Pass 1: dH and dzz of one row block, over the whole local vocab in order.
@@ -281,7 +282,7 @@ void dweight_unit(const Problem& p, const BwdArgs& a, const float* ap, int64_t t
   if (valid > 0) {
     load_weight_tile(p, a.weight, v0, v0 + valid, s.wf.data());
     RowBlock rb;
-    std::vector<float> dt(size_t(kBlock * kTileV));  // dlogit transposed: dt[r][j]
+    std::vector<float>& dt = s.dt;  // dlogit transposed: dt[r][j]
     for (int64_t blk = 0; blk < cdiv(p.n, kBlock); ++blk) {
       load_row_block(p, a, blk, rb);
       logits_tile(s.wf.data(), ap, 2 * blk, p.h, s.t.data());
@@ -315,10 +316,10 @@ void dweight_unit(const Problem& p, const BwdArgs& a, const float* ap, int64_t t
       }
     }
   }
-  std::vector<float> row(size_t(p.h));
+  float* row = s.row.data();
   for (int64_t j = 0; j < rows; ++j) {
     for (int64_t k = 0; k < p.h; ++k) row[k] = s.dwt[k * kTileV + j];
-    from_f32(p.dtype, row.data(), p.h, a.dweight, (v0 + j) * p.h);
+    from_f32(p.dtype, row, p.h, a.dweight, (v0 + j) * p.h);
     if (a.dbias) a.dbias[v0 + j] = db[j];
   }
 }
@@ -369,7 +370,13 @@ Status backward(const Problem& p, const BwdArgs& a) {
     for (auto& s : sc) {
       s.wf.resize(size_t(kTileV * p.h));
       s.t.resize(size_t(kTileV * kBlock));
-      if (pass1) s.dh.resize(size_t(kBlock * p.h)); else s.dwt.resize(size_t(p.h * kTileV));
+      if (pass1) {
+        s.dh.resize(size_t(kBlock * p.h));
+      } else {
+        s.dwt.resize(size_t(p.h * kTileV));
+        s.dt.resize(size_t(kBlock * kTileV));
+        s.row.resize(size_t(p.h));
+      }
     }
     return sc;
   };

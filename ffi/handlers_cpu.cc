@@ -1,20 +1,9 @@
 // XLA FFI handlers for platform "cpu" over rlk::cpu.
+#include "exec.h"
 #include "handlers.h"
 
 namespace rlk::ffi_handlers {
 namespace {
-
-struct CpuExec {
-  Status forward(const Problem& p, const FwdArgs& a) {
-    count_call(Backend::kCpu, false, p.n);
-    return cpu::forward(p, a);
-  }
-  Status combine(const CombineArgs& a) { return cpu::combine(a); }
-  Status backward(const Problem& p, const BwdArgs& a) {
-    count_call(Backend::kCpu, true, p.n);
-    return cpu::backward(p, a);
-  }
-};
 
 ffi::Error ForwardCpu(ffi::AnyBuffer hidden, ffi::AnyBuffer weight, ffi::AnyBuffer bias, ffi::AnyBuffer targets,
                       ffi::AnyBuffer inv_temp, ffi::Result<ffi::AnyBuffer> stats,

@@ -1,32 +1,11 @@
 // XLA FFI handlers for platform "CUDA" over rlk::cuda. Command-buffer compatible: the kernels
 // allocate nothing (scratch is the trailing `workspace` result, sized by the frontend from
 // rlk::cuda::*_workspace_bytes), never synchronise the host and choose launches from shapes.
+#include "exec.h"
 #include "handlers.h"
-#include "linear_logp_cuda.h"
 
 namespace rlk::ffi_handlers {
 namespace {
-
-struct CudaExec {
-  cudaStream_t stream;
-  cuda::Workspace ws;
-
-  Status forward(const Problem& p, const FwdArgs& a) {
-    if (cuda::forward_workspace_bytes(p) > ws.bytes) return "rlk cuda forward: workspace too small";
-    Backend ran = Backend::kCudaPortable;
-    Status s = cuda::forward(p, a, ws, stream, &ran);
-    if (!s) count_call(ran, false, p.n);
-    return s;
-  }
-  Status combine(const CombineArgs& a) { return cuda::combine(a, stream); }
-  Status backward(const Problem& p, const BwdArgs& a) {
-    if (cuda::backward_workspace_bytes(p) > ws.bytes) return "rlk cuda backward: workspace too small";
-    Backend ran = Backend::kCudaPortable;
-    Status s = cuda::backward(p, a, ws, stream, &ran);
-    if (!s) count_call(ran, true, p.n);
-    return s;
-  }
-};
 
 cuda::Workspace workspace_of(ffi::Result<ffi::AnyBuffer>& w) { return {w->untyped_data(), w->size_bytes()}; }
 

@@ -26,9 +26,7 @@ XLA_FFI_Error* RlkBackwardCuda(XLA_FFI_CallFrame*);
 }
 #endif
 
-#if RLK_HAVE_CUDA
-#include "linear_logp_cuda.h"
-#endif
+#include "exec.h"
 
 namespace nb = nanobind;
 
@@ -110,12 +108,24 @@ void check(rlk::Status s) {
   if (s) throw std::runtime_error(s);
 }
 
+// Run `call(executor)` on the arrays' device: the same executors as the XLA FFI handlers.
+template <class Call>
+void run_on(int device, const std::optional<Array>& workspace, uintptr_t stream, Call&& call) {
+  if (device == nb::device::cpu::value) {
+    nb::gil_scoped_release nogil;
+    rlk::CpuExec ex;
+    check(call(ex));
+    return;
+  }
 #if RLK_HAVE_CUDA
-rlk::cuda::Workspace workspace_of(const std::optional<Array>& ws, size_t need) {
-  if (need && (!ws || ws->nbytes() < need)) throw std::invalid_argument("rlk: CUDA workspace too small");
-  return ws ? rlk::cuda::Workspace{ws->data(), ws->nbytes()} : rlk::cuda::Workspace{};
-}
+  rlk::CudaExec ex{reinterpret_cast<cudaStream_t>(stream),
+                   workspace ? rlk::cuda::Workspace{workspace->data(), workspace->nbytes()} : rlk::cuda::Workspace{}};
+  check(call(ex));
+#else
+  (void)workspace, (void)stream;
+  throw std::invalid_argument("rlk: this build has no CUDA backend");
 #endif
+}
 
 void dl_forward(Array hidden, Array weight, std::optional<Array> bias, Array targets, Array inv_temp, Array stats,
                 Array target_logit, std::optional<Array> workspace, int64_t vocab_start, int64_t real_vocab,
@@ -132,21 +142,7 @@ void dl_forward(Array hidden, Array weight, std::optional<Array> bias, Array tar
   a.inv_temp = static_cast<const float*>(inv_temp.data());
   a.stats = static_cast<float*>(stats.data());
   a.target_logit = static_cast<float*>(target_logit.data());
-  if (c.device == nb::device::cpu::value) {
-    nb::gil_scoped_release nogil;
-    rlk::count_call(rlk::Backend::kCpu, false, c.p.n);
-    check(rlk::cpu::forward(c.p, a));
-    return;
-  }
-#if RLK_HAVE_CUDA
-  rlk::Backend ran = rlk::Backend::kCudaPortable;
-  check(rlk::cuda::forward(c.p, a, workspace_of(workspace, rlk::cuda::forward_workspace_bytes(c.p)),
-                           reinterpret_cast<cudaStream_t>(stream), &ran));
-  rlk::count_call(ran, false, c.p.n);
-#else
-  (void)workspace, (void)stream;
-  throw std::invalid_argument("rlk: this build has no CUDA backend");
-#endif
+  run_on(c.device, workspace, stream, [&](auto& ex) { return ex.forward(c.p, a); });
 }
 
 void dl_combine(Array stats, Array target_logit, Array targets, Array logp, Array lse, Array entropy,
@@ -169,17 +165,7 @@ void dl_combine(Array stats, Array target_logit, Array targets, Array logp, Arra
   a.logp = static_cast<float*>(logp.data());
   a.lse = static_cast<float*>(lse.data());
   a.entropy = static_cast<float*>(entropy.data());
-  if (device == nb::device::cpu::value) {
-    nb::gil_scoped_release nogil;
-    check(rlk::cpu::combine(a));
-    return;
-  }
-#if RLK_HAVE_CUDA
-  check(rlk::cuda::combine(a, reinterpret_cast<cudaStream_t>(stream)));
-#else
-  (void)stream;
-  throw std::invalid_argument("rlk: this build has no CUDA backend");
-#endif
+  run_on(device, std::nullopt, stream, [&](auto& ex) { return ex.combine(a); });
 }
 
 void dl_backward(Array hidden, Array weight, std::optional<Array> bias, Array targets, Array inv_temp, Array lse,
@@ -215,21 +201,7 @@ void dl_backward(Array hidden, Array weight, std::optional<Array> bias, Array ta
   a.dweight = dweight.data();
   a.dbias = (bias && dbias) ? static_cast<float*>(dbias->data()) : nullptr;
   a.dzz = static_cast<float*>(dzz.data());
-  if (c.device == nb::device::cpu::value) {
-    nb::gil_scoped_release nogil;
-    rlk::count_call(rlk::Backend::kCpu, true, p.n);
-    check(rlk::cpu::backward(p, a));
-    return;
-  }
-#if RLK_HAVE_CUDA
-  rlk::Backend ran = rlk::Backend::kCudaPortable;
-  check(rlk::cuda::backward(p, a, workspace_of(workspace, rlk::cuda::backward_workspace_bytes(p)),
-                            reinterpret_cast<cudaStream_t>(stream), &ran));
-  rlk::count_call(ran, true, p.n);
-#else
-  (void)workspace, (void)stream;
-  throw std::invalid_argument("rlk: this build has no CUDA backend");
-#endif
+  run_on(c.device, workspace, stream, [&](auto& ex) { return ex.backward(p, a); });
 }
 
 }  // namespace
