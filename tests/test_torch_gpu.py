@@ -15,6 +15,7 @@ import _rlk_core  # noqa: E402
 import torch_bridge  # noqa: E402
 from torch_bridge import provider as P  # noqa: E402
 from oracle import case_grid
+import torch_helpers  # noqa: E402
 from torch_helpers import check_against_oracle, make_inputs, to_np, value_and_grads  # noqa: E402
 
 pytestmark = [
@@ -155,15 +156,7 @@ def test_bitwise_equal_to_rlk_xla(dtype, bias, temp, tmp_path):
     d, kw, g, e = make_inputs(13, n, h, v, dtype, bias=bias, temp=temp, ignore_frac=0.1, real_vocab=real,
                               device=CUDA)
     ours = dict(zip(["logp", "ent", "hidden", "weight", "bias", "temperature"], _fwd_grads(d, kw, g, e)))
-    z = dict(hidden=to_np(d["hidden"]), weight=to_np(d["weight"]), targets=d["targets"].cpu().numpy(),
-             g=g.cpu().numpy(), e=e.cpu().numpy(), dtype=dtype, real_vocab=real)
-    if bias:
-        z["bias"] = to_np(kw["bias"])
-    if isinstance(kw.get("temperature"), torch.Tensor):
-        z["temperature"] = to_np(kw["temperature"])
-    elif "temperature" in kw:
-        z["temperature_scalar"] = kw["temperature"]
-    np.savez(tmp_path / "in.npz", **z)
+    torch_helpers.save_inputs(tmp_path / "in.npz", d, kw, g, e, dtype, real)
     here = os.path.dirname(os.path.abspath(__file__))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(here), here, os.environ.get("PYTHONPATH", "")]))
     r = subprocess.run([sys.executable, "-c", f"import torch_helpers; torch_helpers.jax_side({str(tmp_path / 'in.npz')!r}, "

@@ -273,15 +273,7 @@ def test_bitwise_equal_to_rlk_xla_on_cpu(dtype, bias, temp, tmp_path):
     d, kw, g, e = make_inputs(13, 127, 96, 1000, dtype, bias=bias, temp=temp, ignore_frac=0.1, real_vocab=990)
     logp, ent, grads = value_and_grads(torch_bridge.linear_logp, d, kw, g, e)
     ours = dict(logp=logp, ent=ent, **grads)
-    z = dict(hidden=to_np(d["hidden"]), weight=to_np(d["weight"]), targets=d["targets"].numpy(), g=g.numpy(),
-             e=e.numpy(), dtype=dtype, real_vocab=990)
-    if bias:
-        z["bias"] = to_np(kw["bias"])
-    if isinstance(kw.get("temperature"), torch.Tensor):
-        z["temperature"] = to_np(kw["temperature"])
-    elif "temperature" in kw:
-        z["temperature_scalar"] = kw["temperature"]
-    np.savez(tmp_path / "in.npz", **z)
+    torch_helpers.save_inputs(tmp_path / "in.npz", d, kw, g, e, dtype, 990)
     torch_helpers.jax_side(str(tmp_path / "in.npz"), str(tmp_path / "out.npz"))
     theirs = dict(np.load(tmp_path / "out.npz"))
     theirs.pop("backend")

@@ -85,6 +85,19 @@ def check_against_oracle(fn, n, h, v, dtype, o, seed=0, device="cpu"):
         oracle.assert_grad(to_np(grads["temperature"]), ref["dtemp"], "float32", "d temperature", ref["dtemp_abs"])
 
 
+def save_inputs(path, d, kw, g, e, dtype, real_vocab):
+    """The inputs of one case as an npz that jax_side reads (the same values, in float32/int)."""
+    z = dict(hidden=to_np(d["hidden"]), weight=to_np(d["weight"]), targets=d["targets"].cpu().numpy(),
+             g=g.cpu().numpy(), e=e.cpu().numpy(), dtype=dtype, real_vocab=real_vocab)
+    if "bias" in kw:
+        z["bias"] = to_np(kw["bias"])
+    if isinstance(kw.get("temperature"), torch.Tensor):
+        z["temperature"] = to_np(kw["temperature"])
+    elif "temperature" in kw:
+        z["temperature_scalar"] = kw["temperature"]
+    np.savez(path, **z)
+
+
 def jax_side(path_in, path_out):
     """rlk_xla's logp, entropy and gradients for the inputs saved in path_in (npz), written to
     path_out: run in a subprocess by the GPU parity test, so that a crash of the JAX side is a test
