@@ -10,8 +10,9 @@
 //   forward   unit = (row block, chunk); tiles of the chunk from its first column, in order.
 //   backward  pass 1 (dH, dzz): unit = row block, all tiles in vocab order.
 //             pass 2 (dW, db):  unit = vocab tile, all row blocks in row order.
-// The backward recomputes logits in both passes (four GEMM-equivalents in all), which keeps the
-// threads' outputs disjoint with no fp32 [v, h] or [n, v] scratch.
+// The lean backward recomputes logits in both passes (four GEMM-equivalents in all), which keeps
+// the threads' outputs disjoint with no fp32 [v, h] or [n, v] scratch; the fast one reads them
+// from the forward's kept logits instead (two GEMM-equivalents).
 #include <algorithm>
 #include <cmath>
 #include <vector>
@@ -94,6 +95,35 @@ void scale_tile(float* t, const float* bias_f, int64_t valid, const f32x16* inv_
     }
 }
 
+// ---- kept logits (FwdArgs::logits, the fast backward's input): [n, v] in logits_dtype ----------
+float kept_value(float z) { return std::clamp(z, -kMaxKeptLogit, kMaxKeptLogit); }
+
+// Tile T[j][r] (columns v0.., rows r0..) -> kept[r][v0 + j] for j < cols (z_of_col(j, r)).
+template <class ZOf>
+void store_kept(const Problem& p, void* kept, int64_t r0, int64_t v0, int64_t cols, ZOf z_of) {
+  const bool f32 = logits_dtype(p.dtype) == DType::kF32;
+  for (int64_t r = 0; r < kBlock && r0 + r < p.n; ++r) {
+    const int64_t o = (r0 + r) * p.v + v0;
+    for (int64_t j = 0; j < cols; ++j) {
+      const float z = kept_value(z_of(j, r));
+      if (f32) static_cast<float*>(kept)[o + j] = z;
+      else static_cast<uint16_t*>(kept)[o + j] = f32_to_f16(z);
+    }
+  }
+}
+
+// kept[r][v0 + j] -> T[j][r] for j < valid; rows past n read as 0 (they get no gradient).
+void load_kept(const Problem& p, const void* kept, int64_t r0, int64_t v0, int64_t valid, float* t) {
+  const bool f32 = logits_dtype(p.dtype) == DType::kF32;
+  for (int64_t r = 0; r < kBlock; ++r) {
+    const int64_t o = (r0 + r) * p.v + v0;
+    for (int64_t j = 0; j < valid; ++j)
+      t[j * kBlock + r] = r0 + r >= p.n ? 0.f
+                          : f32         ? static_cast<const float*>(kept)[o + j]
+                                        : f16_to_f32(static_cast<const uint16_t*>(kept)[o + j]);
+  }
+}
+
 // ---- forward ---------------------------------------------------------------------------------
 
 struct FwdScratch {
@@ -123,6 +153,8 @@ void forward_unit(const Problem& p, const FwdArgs& a, const float* ap, int64_t b
     load_weight_tile(p, a.weight, v0, v0 + valid, s.wf.data());
     logits_tile(s.wf.data(), ap, 2 * blk, p.h, s.t.data());
     scale_tile(s.t.data(), p.has_bias ? a.bias + v0 : nullptr, valid, inv_temp);
+    if (a.logits)
+      store_kept(p, a.logits, r0, v0, valid, [&](int64_t j, int64_t r) { return s.t[j * kBlock + r]; });
     for (int rv = 0; rv < kRowVecs; ++rv) {
       f32x16 mt = m[rv];
       for (int64_t j = 0; j < valid; ++j) mt = vmax(mt, load16(s.t.data() + j * kBlock + rv * kLanes));
@@ -143,6 +175,10 @@ void forward_unit(const Problem& p, const FwdArgs& a, const float* ap, int64_t b
       sum[rv] = ss;
       acc_a[rv] = aa;
     }
+  }
+  if (a.logits && real_end < c1) {  // the chunk's padding columns
+    const int64_t pad0 = std::max(c0, real_end);
+    store_kept(p, a.logits, r0, pad0, c1 - pad0, [](int64_t, int64_t) { return -kMaxKeptLogit; });
   }
   const int64_t k = num_chunks(p);
   for (int rv = 0; rv < kRowVecs; ++rv)
@@ -216,6 +252,18 @@ void dlogit_tile(float* t, int64_t gid0, int64_t valid, const RowBlock& rb, f32x
     }
 }
 
+// The z tile of row block `blk` and columns [v0, v0 + valid): from the kept logits (fast) or
+// recomputed (lean; needs the weight tile in wf).
+void z_tile(const Problem& p, const BwdArgs& a, const float* ap, int64_t blk, int64_t v0, int64_t valid,
+            const RowBlock& rb, const float* wf, float* t) {
+  if (a.logits) {
+    load_kept(p, a.logits, blk * kBlock, v0, valid, t);
+    return;
+  }
+  logits_tile(wf, ap, 2 * blk, p.h, t);
+  scale_tile(t, p.has_bias ? a.bias + v0 : nullptr, valid, rb.inv_temp);
+}
+
 struct BwdScratch {
   std::vector<float> wf, t, dh;  // pass 1
   std::vector<float> dwt, dt, row;  // pass 2: dW^T [h][kTileV], dlogit^T [kBlock][kTileV], a dW row [h]
@@ -232,8 +280,7 @@ void dhidden_unit(const Problem& p, const BwdArgs& a, const float* ap, int64_t b
     for (int64_t v0 = c0; v0 < std::min(c0 + p.chunk, real_end); v0 += kTileV) {
       const int64_t valid = std::min({kTileV, c0 + p.chunk - v0, real_end - v0});
       load_weight_tile(p, a.weight, v0, v0 + valid, s.wf.data());
-      logits_tile(s.wf.data(), ap, 2 * blk, p.h, s.t.data());
-      scale_tile(s.t.data(), p.has_bias ? a.bias + v0 : nullptr, valid, rb.inv_temp);
+      z_tile(p, a, ap, blk, v0, valid, rb, s.wf.data(), s.t.data());
       dlogit_tile(s.t.data(), p.vocab_start + v0, valid, rb, dzz);
       // dh[r][k] += sum_j dlogit[j][r] wf[j][k]: eight rows by two vectors of k per step.
       for (int64_t r = 0; r < kBlock; r += 8)
@@ -280,13 +327,12 @@ void dweight_unit(const Problem& p, const BwdArgs& a, const float* ap, int64_t t
   std::fill(s.dwt.begin(), s.dwt.end(), 0.f);  // dwt[k][j]
   float db[kTileV] = {};
   if (valid > 0) {
-    load_weight_tile(p, a.weight, v0, v0 + valid, s.wf.data());
+    if (!a.logits) load_weight_tile(p, a.weight, v0, v0 + valid, s.wf.data());
     RowBlock rb;
     std::vector<float>& dt = s.dt;  // dlogit transposed: dt[r][j]
     for (int64_t blk = 0; blk < cdiv(p.n, kBlock); ++blk) {
       load_row_block(p, a, blk, rb);
-      logits_tile(s.wf.data(), ap, 2 * blk, p.h, s.t.data());
-      scale_tile(s.t.data(), p.has_bias ? a.bias + v0 : nullptr, valid, rb.inv_temp);
+      z_tile(p, a, ap, blk, v0, valid, rb, s.wf.data(), s.t.data());
       dlogit_tile(s.t.data(), p.vocab_start + v0, valid, rb, nullptr);
       for (int64_t j = 0; j < kTileV; ++j)
         for (int64_t r = 0; r < kBlock; ++r) {

@@ -21,11 +21,17 @@ struct Workspace {
 Backend forward_backend(const Problem& p);
 
 size_t forward_workspace_bytes(const Problem& p);
-size_t backward_workspace_bytes(const Problem& p);
+// `fast`: the backward reads kept logits (BwdArgs::logits); else it recomputes them (lean, at
+// most 192 MB whatever n and v).
+size_t backward_workspace_bytes(const Problem& p, bool fast);
 
 // `ran` (may be null) receives the backend that ran.
 Status forward(const Problem& p, const FwdArgs& a, Workspace ws, cudaStream_t stream, Backend* ran);
 Status combine(const CombineArgs& a, cudaStream_t stream);
-Status backward(const Problem& p, const BwdArgs& a, Workspace ws, cudaStream_t stream, Backend* ran);
+// The backward runs on Backend::kCudaBlas (linear_logp_bwd.cu).
+Status backward(const Problem& p, const BwdArgs& a, Workspace ws, cudaStream_t stream);
+// Load cuBLAS and create device `device`'s handle now, outside any CUDA-graph capture (the
+// frontends call it before they first launch a backward).
+Status prepare_backward(int device);
 
 }  // namespace rlk::cuda

@@ -1,39 +1,34 @@
-// The Hopper (sm_90a) kernels of linear_logp for bf16/fp16: TMA + wgmma, warp-specialised.
-// The forward (streaming-LSE epilogue) and the three backward GEMMs share one mainloop.
+// The Hopper (sm_90a) forward of linear_logp for bf16/fp16: TMA + wgmma, warp-specialised.
 //
 // Compiled only with -gencode=arch=compute_90a,code=sm_90a and only when RLK_HAVE_SM90 is set.
 //
 // Structure (after FlashAttention 3's hopper/ split into named pieces):
-//   * tile scheduler  - work comes in units of (128-row tile, column unit); the column unit is a
-//                       split for the forward (up to kSplitCols/kBN tiles walked in order) and one
-//                       256-column tile for the backward GEMMs. unit_of() numbers the units in
-//                       groups of kGroupRows row tiles, so the CTAs resident at one time share a
-//                       few W tiles and a few H tiles and the re-reads hit L2. The forward runs one
-//                       CTA per unit; the backward kernels run kPersistentCtas CTAs striding over
-//                       the units. The map only orders work; what a unit computes never depends
-//                       on it (nor on the SM count).
+//   * tile scheduler  - work comes in units of (128-row tile, split): a split is up to
+//                       kSplitCols/kBN column tiles walked in order. unit_of() numbers the units
+//                       in groups of kGroupRows row tiles, so the CTAs resident at one time share a
+//                       few W tiles and a few H tiles and the re-reads hit L2. One CTA per unit
+//                       (units differ in length, a chunk's last split is shorter: the hardware
+//                       balances them better than a static persistent stride, measured). The map
+//                       only orders work; what a unit computes never depends on it (nor on the SM
+//                       count).
 //   * mainloop        - warp-specialised: warpgroup 0 is the producer (one thread issues TMA loads
 //                       of a 128x64 H box and a 256x64 W box per stage into a ring of 4 stages,
-//                       3 for the dlogit kernel, 128-byte swizzle, completion on "full"
-//                       mbarriers); warpgroups 1 and 2 are consumers, each owns 64 rows and issues
-//                       wgmma m64n256k16 (fp32 accumulators in registers) and frees a stage on its
-//                       "empty" mbarrier once the wgmma that read it has retired (wait_group 1
-//                       keeps one batch in flight). setmaxnreg moves registers from the producer
-//                       to the consumers. The producer runs ahead across tile and unit boundaries.
-//   * epilogues       - kFwdStats folds each 64x256 logit tile, straight from the accumulator
-//                       registers, into per-row running (m, s, a): a row's 256 values live in one
-//                       quad of lanes (64 per lane), so a tile costs a thread-local pass plus two
-//                       xor shuffles. Exponentials use ex2 on log2e-scaled logits; (m, s, a) are
+//                       128-byte swizzle, completion on "full" mbarriers); warpgroups 1 and 2 are
+//                       consumers, each owns 64 rows and issues wgmma m64n256k16 (fp32
+//                       accumulators in registers) and frees a stage on its "empty" mbarrier once
+//                       the wgmma that read it has retired (wait_group 1 keeps one batch in
+//                       flight). setmaxnreg moves registers from the producer to the consumers.
+//   * epilogue        - folds each 64x256 logit tile, straight from the accumulator registers,
+//                       into per-row running (m, s, a): a row's 256 values live in one quad of
+//                       lanes (64 per lane), so a tile costs a thread-local pass plus two xor
+//                       shuffles. Exponentials use ex2 on log2e-scaled logits; (m, s, a) are
 //                       converted back to natural units per tile and merged with stats_merge.
-//                       kDlogit recomputes z, applies dz_of, stages the dlogit tile in shared
-//                       memory and stores it row-major and transposed with 16-byte vectors, plus
-//                       dzz and db partials. kOut writes or accumulates the fp32/dtype gradient.
-// In the forward, logits never leave registers. Per-(row, split) partials go to the workspace;
-// the finalize kernel of linear_logp_cuda.cu merges them per chunk exactly as for the portable
-// kernel. Every row goes through the same instruction sequence whatever its position in the tile,
-// and the split geometry is relative to the chunk start, so results are batch- and TP-invariant.
-// No CuTe types are used (raw PTX keeps the build to seconds); the CUTLASS include dir is only
-// the build's signal that an sm_90a toolchain is wanted (RLK_HAVE_SM90).
+//                       With kKeep it also stores the tile's z as fp16 (the fast backward's kept
+//                       logits); otherwise logits never leave registers.
+// Per-(row, split) partials go to the workspace; the finalize kernel of linear_logp_cuda.cu merges
+// them per chunk exactly as for the portable kernel. Every row goes through the same instruction
+// sequence whatever its position in the tile, and the split geometry is relative to the chunk
+// start, so results are batch- and TP-invariant. Raw PTX, no CuTe: the build takes seconds.
 #if RLK_HAVE_SM90
 
 #include <cuda.h>
@@ -52,15 +47,9 @@ namespace {
 
 constexpr int kBM = 128, kBN = 256, kBK = 64;
 constexpr int kABytes = kBM * kBK * 2, kBBytes = kBN * kBK * 2, kStageBytes = kABytes + kBBytes;
-// Shared memory: the stage ring, the mbarriers, and for the dlogit kernel the db reduction buffer
-// and a 128x256 staging tile (which is why that kernel keeps 3 stages instead of 4).
-constexpr int kStageLd = kBN + 8;  // staging row stride in elements (16-byte aligned, conflict-free)
-constexpr int kRedBytes = 8 * 256 * 4, kStagingBytes = kBM * kStageLd * 2;
-constexpr int stages_of(int kind) { return kind == 1 ? 3 : 4; }
-constexpr int smem_of(int kind) {
-  return stages_of(kind) * kStageBytes + 1024 /*alignment*/ + 256 /*barriers*/ + (kind == 1 ? kRedBytes + kStagingBytes : 0);
-}
-constexpr int64_t kPersistentCtas = 132;  // a constant: the work split never reads the SM count
+// Shared memory: the stage ring and the mbarriers.
+constexpr int kStages = 4;
+constexpr int kSmemBytes = kStages * kStageBytes + 1024 /*alignment*/ + 256 /*barriers*/;
 constexpr int kThreads = 384;  // producer warpgroup + 2 consumer warpgroups
 constexpr int64_t kGroupRows = 16;
 static_assert(kSplitCols % kBN == 0, "a split is a whole number of column tiles");
@@ -123,53 +112,49 @@ template <bool kBf16> __device__ __forceinline__ void wgmma_tile(float* d, uint6
 }
 
 
-enum Kind : int { kFwdStats = 0, kDlogit = 1, kOut = 2 };
-
 struct Params {
-  // geometry: A is [M, K] (rows), B is [N, K]; both K-major bf16/fp16
-  int64_t rows;       // M: valid rows of A
-  int64_t ncols;      // N: valid columns (kOut); piece width pw (kDlogit)
-  int64_t row_tiles, col_tiles;
-  int32_t kblocks;
-  // forward split walk
-  int64_t chunk, spc, nsplit;
+  int64_t rows;       // valid rows of hidden (this pass)
+  int64_t row_tiles;
+  int32_t kblocks;    // K tiles: h / kBK
+  int64_t chunk, spc, nsplit;  // the split walk (lp_internal.h)
   int64_t vocab_start, real_vocab;
-  const float* bias;  // f32; forward: of local column 0; dlogit: of the piece's column 0
+  const float* bias;  // f32, of local column 0, or null
   const float* inv_temp;
-  float* part;
-  // dlogit
-  const int32_t* targets;
-  const float *lse, *ent, *g, *e;
-  int64_t p0;  // local vocab column of the piece start
-  void* dlog;  int64_t ldd;   // [rows, P]
-  void* dlogT; int64_t ldt;   // [P, R]
-  float* dzz_part; int64_t nt;
-  float* db_part;
-  int64_t ignore_index;
-  // out
-  float* outf; void* outT; int64_t ldo; int mode;
+  float* part;        // [rows, nsplit, kStatWidth]
+  __half* kept;       // [rows, ldk] kept logits (kKeep only)
+  int64_t ldk;
 };
-
-template <bool kBf16> __device__ __forceinline__ uint32_t pack2(float x, float y) {
-  if constexpr (kBf16) {
-    __nv_bfloat162 v = __floats2bfloat162_rn(x, y);
-    return *reinterpret_cast<uint32_t*>(&v);
-  } else {
-    __half2 v = __floats2half2_rn(x, y);
-    return *reinterpret_cast<uint32_t*>(&v);
-  }
-}
-template <bool kBf16> __device__ __forceinline__ uint16_t pack1(float x) {
-  if constexpr (kBf16) { __nv_bfloat16 v = __float2bfloat16_rn(x); return *reinterpret_cast<uint16_t*>(&v); }
-  else { __half v = __float2half_rn(x); return *reinterpret_cast<uint16_t*>(&v); }
-}
 
 // ---- epilogue: fold one 64x256 accumulator tile into the two rows' running statistics ----------
 // Lane l of warp w (in its warpgroup) holds rows w*16 + l/4 (values d[4j], d[4j+1]) and +8
 // (d[4j+2], d[4j+3]) at columns 8j + 2(l%4) + {0,1}, j = 0..31.
-template <bool kBf16, bool kMask>
+// The tile's z (this thread's two rows; d holds z * log2e) as fp16 kept logits, clamped.
+__device__ __forceinline__ void store_kept(const float* d, int64_t t0, int64_t col_end, const Params& P, int64_t rowA) {
+  const int cq = 2 * (threadIdx.x % 4);
+  const bool pairs = (P.ldk & 1) == 0;  // 4-byte stores need an even row stride
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int64_t row = rowA + 8 * r;
+    if (row >= P.rows) continue;
+    __half* out = P.kept + row * P.ldk;
+#pragma unroll
+    for (int j = 0; j < 32; ++j) {
+      const int64_t col = t0 + 8 * j + cq;
+      const float z0 = fminf(fmaxf(d[4 * j + 2 * r] * kLn2, -kMaxKeptLogit), kMaxKeptLogit);
+      const float z1 = fminf(fmaxf(d[4 * j + 2 * r + 1] * kLn2, -kMaxKeptLogit), kMaxKeptLogit);
+      if (pairs && col + 1 < col_end) {
+        *reinterpret_cast<__half2*>(out + col) = __floats2half2_rn(z0, z1);
+      } else {
+        if (col < col_end) out[col] = __float2half_rn(z0);
+        if (col + 1 < col_end) out[col + 1] = __float2half_rn(z1);
+      }
+    }
+  }
+}
+
+template <bool kBf16, bool kMask, bool kKeep>
 __device__ __forceinline__ void epilogue_stats(float* d, int64_t t0, int64_t col_end, const Params& P, float itA,
-                                               float itB, float (&run)[2][3]) {
+                                               float itB, int64_t rowA, float (&run)[2][3]) {
   const int cq = 2 * (threadIdx.x % 4);
   float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
@@ -186,6 +171,7 @@ __device__ __forceinline__ void epilogue_stats(float* d, int64_t t0, int64_t col
       mx[1] = fmaxf(mx[1], d[4 * j + 2 + e]);
     }
   }
+  if constexpr (kKeep) store_kept(d, t0, col_end, P, rowA);
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
@@ -215,144 +201,7 @@ __device__ __forceinline__ void epilogue_stats(float* d, int64_t t0, int64_t col
   }
 }
 
-// Backward: dlogit of one 128x256 tile (this warpgroup's 64 rows), stored twice (row-major and
-// transposed, both in dtype) for the two gradient GEMMs, plus dzz and db partials.
-template <bool kBf16>
-__device__ __forceinline__ void epilogue_dlogit(float* d, int64_t r0, int64_t t0, int64_t rt, const Params& P,
-                                                int64_t rowA, float* red, uint16_t* staging) {
-  const int lane = threadIdx.x % 32, cq = 2 * (lane % 4);
-  float dzz[2] = {0.f, 0.f};
-  // live columns of this tile: [0, lim) relative to t0 (piece end and padding)
-  int64_t lim64 = min(P.ncols, P.real_vocab - P.vocab_start - P.p0) - t0;
-  const int lim = int(max(int64_t(0), min(lim64, int64_t(kBN))));
-  const float* bias = P.bias;
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int64_t row = rowA + 8 * r;
-    bool valid = false;
-    float it = 1.f, l = 0.f, en = 0.f, gg = 0.f, ee = 0.f;
-    int tl = -1;  // target column relative to t0, if in this tile
-    if (row < P.rows) {
-      const int64_t t = P.targets[row];
-      valid = classify_target(t, P.real_vocab, P.ignore_index) == TargetKind::kValid;
-      if (valid) {
-        it = P.inv_temp[row]; l = P.lse[row]; gg = P.g[row];
-        if (P.e != nullptr) { ee = P.e[row]; en = P.ent[row]; }
-        const int64_t rel = t - P.vocab_start - P.p0 - t0;
-        tl = (rel >= 0 && rel < kBN) ? int(rel) : -1;
-      }
-    }
-    const int rlim = valid ? lim : 0;
-#pragma unroll
-    for (int j = 0; j < 32; ++j) {
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int c = 8 * j + cq + e;  // column relative to t0
-        float dl = 0.f;
-        const float b = (bias != nullptr && c < rlim) ? bias[t0 + c] : 0.f;
-        const float z = (d[4 * j + 2 * r + e] + b) * it;
-        if (c < rlim && z > -INFINITY) {  // a -inf logit (bias mask) is padding
-          const float dz = dz_of(z, c == tl, l, en, gg, ee);
-          dzz[r] = fmaf(dz, z, dzz[r]);
-          dl = dz * it;
-        }
-        d[4 * j + 2 * r + e] = dl;
-      }
-    }
-    dzz[r] += __shfl_xor_sync(0xffffffffu, dzz[r], 1);
-    dzz[r] += __shfl_xor_sync(0xffffffffu, dzz[r], 2);
-    if ((lane & 3) == 0 && row < P.rows) {
-      // partial slots are per 128 columns; this tile covers two (its sum, then an exact 0)
-      P.dzz_part[row * P.nt + t0 / 128] = dzz[r];
-      P.dzz_part[row * P.nt + t0 / 128 + 1] = 0.f;
-    }
-  }
-  // Stage the dlogit tile in shared memory, then store it twice with 16-byte vectors: row-major
-  // [rows, P] for dH and transposed [P, R] for dW. Rows past the pass hold zeros and stay inside
-  // the R-row buffers, so the stores need no row bound.
-  {
-    const int rl = int(rowA - r0);  // local row of this thread's first row
-    asm volatile("bar.sync 1, 256;\n" ::: "memory");  // previous tile's staging reads are done
-#pragma unroll
-    for (int j = 0; j < 32; ++j) {
-      *reinterpret_cast<uint32_t*>(staging + rl * kStageLd + 8 * j + cq) = pack2<kBf16>(d[4 * j], d[4 * j + 1]);
-      *reinterpret_cast<uint32_t*>(staging + (rl + 8) * kStageLd + 8 * j + cq) = pack2<kBf16>(d[4 * j + 2], d[4 * j + 3]);
-    }
-    asm volatile("bar.sync 1, 256;\n" ::: "memory");
-    const int i = threadIdx.x - 128;  // 0..255
-    uint16_t* dlog = static_cast<uint16_t*>(P.dlog);
-#pragma unroll 4
-    for (int k = 0; k < 16; ++k) {  // 128 rows x 32 vectors
-      const int v = i + 256 * k, row = v / 32, cv = v % 32;
-      *reinterpret_cast<uint4*>(dlog + (r0 + row) * P.ldd + t0 + cv * 8) =
-          *reinterpret_cast<const uint4*>(staging + row * kStageLd + cv * 8);
-    }
-    uint16_t* dlogT = static_cast<uint16_t*>(P.dlogT);
-#pragma unroll 2
-    for (int k = 0; k < 16; ++k) {  // 256 columns x 16 vectors of 8 rows
-      const int col = i, rv = k;
-      uint32_t w[4];
-#pragma unroll
-      for (int q = 0; q < 4; ++q)
-        w[q] = uint32_t(staging[(rv * 8 + 2 * q) * kStageLd + col]) |
-               (uint32_t(staging[(rv * 8 + 2 * q + 1) * kStageLd + col]) << 16);
-      *reinterpret_cast<uint4*>(dlogT + (t0 + col) * P.ldt + r0 + rv * 8) = make_uint4(w[0], w[1], w[2], w[3]);
-    }
-  }
-  if (P.db_part != nullptr) {
-    // column sums over the CTA's 128 rows in a fixed tree: rows A+B in-thread, lanes with equal
-    // lane%4 (xor 4, 8, 16), then the 8 consumer warps in order through shared memory.
-    const int cwarp = threadIdx.x / 32 - 4;      // 0..7
-    // all consumer threads are done reading the previous unit's sums
-    asm volatile("bar.sync 1, 256;\n" ::: "memory");
-#pragma unroll
-    for (int j = 0; j < 32; ++j) {
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        float x = d[4 * j + e] + d[4 * j + 2 + e];
-        x += __shfl_xor_sync(0xffffffffu, x, 4);
-        x += __shfl_xor_sync(0xffffffffu, x, 8);
-        x += __shfl_xor_sync(0xffffffffu, x, 16);
-        if (lane < 4) red[cwarp * 256 + 8 * j + cq + e] = x;
-      }
-    }
-    asm volatile("bar.sync 1, 256;\n" ::: "memory");
-    const int i = threadIdx.x - 128;
-    float x = 0.f;
-#pragma unroll
-    for (int w = 0; w < 8; ++w) x += red[w * 256 + i];
-    if (t0 + i < P.ldd) P.db_part[rt * P.ldd + t0 + i] = x;
-  }
-  (void)r0;
-}
-
-// Backward gradient GEMMs: out (fp32 or dtype) from the accumulator, per Params::mode
-//   0: outf = acc   1: outf += acc   2: outT = T(acc)   3: outT = T(outf + acc)
-template <bool kBf16>
-__device__ __forceinline__ void epilogue_out(const float* d, int64_t t0, const Params& P, int64_t rowA) {
-  const int cq = 2 * (threadIdx.x % 4);
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int64_t row = rowA + 8 * r;
-    if (row >= P.rows) continue;
-#pragma unroll
-    for (int j = 0; j < 32; ++j) {
-      const int64_t col = t0 + 8 * j + cq;
-      if (col >= P.ncols) continue;  // ncols is even
-      const int64_t o = row * P.ldo + col;
-      float2 x = make_float2(d[4 * j + 2 * r], d[4 * j + 2 * r + 1]);
-      if (P.mode == 1 || P.mode == 3) {
-        const float2 y = *reinterpret_cast<const float2*>(P.outf + o);
-        x.x += y.x; x.y += y.y;
-      }
-      if (P.mode <= 1) *reinterpret_cast<float2*>(P.outf + o) = x;
-      else *reinterpret_cast<uint32_t*>(static_cast<uint16_t*>(P.outT) + o) = pack2<kBf16>(x.x, x.y);
-    }
-  }
-}
-
-// One unit of work: a (row tile, column unit) pair; the column unit is a split (forward: walks
-// up to kSplitCols/kBN column tiles) or one 256-column tile (backward).
+// One unit of work: a (row tile, split) pair; a split walks up to kSplitCols/kBN column tiles.
 struct Unit {
   int64_t rt, cu, r0, col0, col_end;
   int ntiles;
@@ -360,9 +209,8 @@ struct Unit {
 
 // Grouped raster: units are numbered so that kGroupRows row tiles sweep the column units
 // together; CTAs that run at the same time then share H and W tiles in L2.
-template <int kKind> __device__ __forceinline__ Unit unit_of(int64_t L, const Params& P) {
-  const int64_t ncu = kKind == kFwdStats ? P.nsplit : P.col_tiles;
-  const int64_t per_group = kGroupRows * ncu;
+__device__ __forceinline__ Unit unit_of(int64_t L, const Params& P) {
+  const int64_t per_group = kGroupRows * P.nsplit;
   const int64_t group = L / per_group;
   const int64_t first = group * kGroupRows;
   const int64_t gsize = min(kGroupRows, P.row_tiles - first);
@@ -371,34 +219,23 @@ template <int kKind> __device__ __forceinline__ Unit unit_of(int64_t L, const Pa
   u.rt = first + rem % gsize;
   u.cu = rem / gsize;
   u.r0 = u.rt * kBM;
-  if (kKind == kFwdStats) {
-    const int64_t c = u.cu / P.spc, sp = u.cu % P.spc;
-    u.col0 = c * P.chunk + sp * kSplitCols;
-    u.col_end = min(u.col0 + kSplitCols, (c + 1) * P.chunk);
-  } else {
-    u.col0 = u.cu * kBN;
-    u.col_end = u.col0 + kBN;
-  }
+  const int64_t c = u.cu / P.spc, sp = u.cu % P.spc;
+  u.col0 = c * P.chunk + sp * kSplitCols;
+  u.col_end = min(u.col0 + kSplitCols, (c + 1) * P.chunk);
   u.ntiles = int((u.col_end - u.col0 + kBN - 1) / kBN);
   return u;
 }
 
-// Backward kernels are persistent: a fixed number of CTAs (kPersistentCtas, a compile-time
-// constant, never the SM count) stride over the units; the producer runs ahead across unit boundaries, so the next
-// unit's loads overlap the current unit's epilogue. Which CTA runs a unit never changes what the
-// unit computes.
-template <bool kBf16, int kKind>
+// One CTA per unit (blockIdx.x = unit number).
+template <bool kBf16, bool kKeep>
 __global__ void __launch_bounds__(kThreads, 1)
-    sm90_kernel(const __grid_constant__ CUtensorMap tmA, const __grid_constant__ CUtensorMap tmB, const Params P,
-                int64_t nunits) {
+    sm90_forward_kernel(const __grid_constant__ CUtensorMap tmA, const __grid_constant__ CUtensorMap tmB,
+                        const Params P) {
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   unsigned char* smem = reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   const uint32_t sbase = smem_u32(smem);
-  constexpr int kStages = stages_of(kKind);
   const uint32_t bar_full = sbase + kStages * kStageBytes;  // kStages x 8 bytes
   const uint32_t bar_empty = bar_full + kStages * 8;
-  float* red = reinterpret_cast<float*>(smem + kStages * kStageBytes + 256);  // [8][256] db reduction
-  uint16_t* staging = reinterpret_cast<uint16_t*>(smem + kStages * kStageBytes + 256 + kRedBytes);
   const int KB = P.kblocks;
 
   const int wg = threadIdx.x / 128;
@@ -417,18 +254,16 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (threadIdx.x == 0) {
       int stage = 0;
       uint32_t phase = 0;
-      for (int64_t L = blockIdx.x; L < nunits; L += gridDim.x) {
-        const Unit u = unit_of<kKind>(L, P);
-        for (int t = 0; t < u.ntiles; ++t) {
-          const int32_t tc = int32_t(u.col0 + int64_t(t) * kBN);
-          for (int kb = 0; kb < KB; ++kb) {
-            mbar_wait(bar_empty + 8 * stage, phase ^ 1);
-            mbar_expect_tx(bar_full + 8 * stage, kStageBytes);
-            const uint32_t sa = sbase + stage * kStageBytes;
-            tma_load_2d(sa, &tmA, kb * kBK, int32_t(u.r0), bar_full + 8 * stage);
-            tma_load_2d(sa + kABytes, &tmB, kb * kBK, tc, bar_full + 8 * stage);
-            if (++stage == kStages) { stage = 0; phase ^= 1; }
-          }
+      const Unit u = unit_of(blockIdx.x, P);
+      for (int t = 0; t < u.ntiles; ++t) {
+        const int32_t tc = int32_t(u.col0 + int64_t(t) * kBN);
+        for (int kb = 0; kb < KB; ++kb) {
+          mbar_wait(bar_empty + 8 * stage, phase ^ 1);
+          mbar_expect_tx(bar_full + 8 * stage, kStageBytes);
+          const uint32_t sa = sbase + stage * kStageBytes;
+          tma_load_2d(sa, &tmA, kb * kBK, int32_t(u.r0), bar_full + 8 * stage);
+          tma_load_2d(sa + kABytes, &tmB, kb * kBK, tc, bar_full + 8 * stage);
+          if (++stage == kStages) { stage = 0; phase ^= 1; }
         }
       }
     }
@@ -440,57 +275,44 @@ __global__ void __launch_bounds__(kThreads, 1)
     int stage = 0, prev = 0;
     uint32_t phase = 0;
     float d[128];
-    for (int64_t L = blockIdx.x; L < nunits; L += gridDim.x) {
-      const Unit u = unit_of<kKind>(L, P);
-      const int64_t rowA = u.r0 + cw * 64 + warp * 16 + lane / 4, rowB = rowA + 8;
-      float itA = 1.f, itB = 1.f;
-      if (kKind == kFwdStats) {
-        itA = (rowA < P.rows ? P.inv_temp[rowA] : 1.f) * kLog2e;
-        itB = (rowB < P.rows ? P.inv_temp[rowB] : 1.f) * kLog2e;
-      }
-      float run[2][3] = {{-INFINITY, 0.f, 0.f}, {-INFINITY, 0.f, 0.f}};
-      for (int t = 0; t < u.ntiles; ++t) {
-        for (int kb = 0; kb < KB; ++kb) {
-          mbar_wait(bar_full + 8 * stage, phase);
-          const uint32_t sa = sbase + stage * kStageBytes;
-          const uint64_t da = smem_desc(sa + cw * 64 * 128);
-          const uint64_t db = smem_desc(sa + kABytes);
-          wgmma_fence();
+    const Unit u = unit_of(blockIdx.x, P);
+    const int64_t rowA = u.r0 + cw * 64 + warp * 16 + lane / 4, rowB = rowA + 8;
+    const float itA = (rowA < P.rows ? P.inv_temp[rowA] : 1.f) * kLog2e;
+    const float itB = (rowB < P.rows ? P.inv_temp[rowB] : 1.f) * kLog2e;
+    float run[2][3] = {{-INFINITY, 0.f, 0.f}, {-INFINITY, 0.f, 0.f}};
+    for (int t = 0; t < u.ntiles; ++t) {
+      for (int kb = 0; kb < KB; ++kb) {
+        mbar_wait(bar_full + 8 * stage, phase);
+        const uint32_t sa = sbase + stage * kStageBytes;
+        const uint64_t da = smem_desc(sa + cw * 64 * 128);
+        const uint64_t db = smem_desc(sa + kABytes);
+        wgmma_fence();
 #pragma unroll
-          for (int k = 0; k < kBK / 16; ++k) wgmma_tile<kBf16>(d, da + 2 * k, db + 2 * k, (kb | k) != 0);
-          wgmma_commit();
-          if (kb > 0) {
-            wgmma_wait<1>();
-            if (lane == 0) mbar_arrive(bar_empty + 8 * prev);
-          }
-          prev = stage;
-          if (++stage == kStages) { stage = 0; phase ^= 1; }
+        for (int k = 0; k < kBK / 16; ++k) wgmma_tile<kBf16>(d, da + 2 * k, db + 2 * k, (kb | k) != 0);
+        wgmma_commit();
+        if (kb > 0) {
+          wgmma_wait<1>();
+          if (lane == 0) mbar_arrive(bar_empty + 8 * prev);
         }
-        wgmma_wait<0>();
-        if (lane == 0) mbar_arrive(bar_empty + 8 * prev);
-        const int64_t t0 = u.col0 + int64_t(t) * kBN;
-        if constexpr (kKind == kFwdStats) {
-          if (t0 + kBN <= u.col_end && P.vocab_start + t0 + kBN <= P.real_vocab)
-            epilogue_stats<kBf16, false>(d, t0, u.col_end, P, itA, itB, run);
-          else
-            epilogue_stats<kBf16, true>(d, t0, u.col_end, P, itA, itB, run);
-        } else if constexpr (kKind == kDlogit) {
-          epilogue_dlogit<kBf16>(d, u.r0, t0, u.rt, P, rowA, red, staging);
-        } else {
-          epilogue_out<kBf16>(d, t0, P, rowA);
-        }
+        prev = stage;
+        if (++stage == kStages) { stage = 0; phase ^= 1; }
       }
-      if constexpr (kKind == kFwdStats) {
-        if ((lane & 3) == 0) {
-          if (rowA < P.rows) {
-            float* o = P.part + (rowA * P.nsplit + u.cu) * kStatWidth;
-            o[0] = run[0][0]; o[1] = run[0][1]; o[2] = run[0][2];
-          }
-          if (rowB < P.rows) {
-            float* o = P.part + (rowB * P.nsplit + u.cu) * kStatWidth;
-            o[0] = run[1][0]; o[1] = run[1][1]; o[2] = run[1][2];
-          }
-        }
+      wgmma_wait<0>();
+      if (lane == 0) mbar_arrive(bar_empty + 8 * prev);
+      const int64_t t0 = u.col0 + int64_t(t) * kBN;
+      if (t0 + kBN <= u.col_end && P.vocab_start + t0 + kBN <= P.real_vocab)
+        epilogue_stats<kBf16, false, kKeep>(d, t0, u.col_end, P, itA, itB, rowA, run);
+      else
+        epilogue_stats<kBf16, true, kKeep>(d, t0, u.col_end, P, itA, itB, rowA, run);
+    }
+    if ((lane & 3) == 0) {
+      if (rowA < P.rows) {
+        float* o = P.part + (rowA * P.nsplit + u.cu) * kStatWidth;
+        o[0] = run[0][0]; o[1] = run[0][1]; o[2] = run[0][2];
+      }
+      if (rowB < P.rows) {
+        float* o = P.part + (rowB * P.nsplit + u.cu) * kStatWidth;
+        o[0] = run[1][0]; o[1] = run[1][1]; o[2] = run[1][2];
       }
     }
   }
@@ -526,25 +348,22 @@ bool make_map(CUtensorMap* m, bool bf16, const void* ptr, int64_t inner, int64_t
                   CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
-template <int kKind>
-const char* launch_(bool bf16, const CUtensorMap& ma, const CUtensorMap& mb, const Params& P, int64_t blocks,
+template <bool kKeep>
+const char* launch(bool bf16, const CUtensorMap& ma, const CUtensorMap& mb, const Params& P, int64_t units,
                    cudaStream_t stream) {
-  const auto kern = bf16 ? sm90_kernel<true, kKind> : sm90_kernel<false, kKind>;
-  constexpr int kSmemBytes = smem_of(kKind);
+  const auto kern = bf16 ? sm90_forward_kernel<true, kKeep> : sm90_forward_kernel<false, kKeep>;
+  // Set on every call (host-only, legal under stream capture): the attribute is per device.
   if (cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes) != cudaSuccess)
     return "rlk cuda: cudaFuncSetAttribute failed (sm90)";
-  // The forward's units differ in length (a chunk's last split is shorter), so it keeps one CTA per
-  // unit and lets the hardware balance them (measured faster than static striding); the backward's
-  // units are all one tile and run persistent, so the next tile's loads overlap the epilogue.
-  const int64_t grid = (kKind == kFwdStats || blocks < kPersistentCtas) ? blocks : kPersistentCtas;
-  if (grid > 0) kern<<<unsigned(grid), kThreads, kSmemBytes, stream>>>(ma, mb, P, blocks);
+  if (units > 0) kern<<<unsigned(units), kThreads, kSmemBytes, stream>>>(ma, mb, P);
   if (cudaGetLastError() != cudaSuccess) return "rlk cuda: sm90 kernel launch failed";
   return nullptr;
 }
 }  // namespace
 
 const char* sm90_forward_partials(const Problem& p, const void* hidden, int64_t rows, const void* weight,
-                                  const float* bias, const float* inv_temp, float* part, cudaStream_t stream) {
+                                  const float* bias, const float* inv_temp, float* part, void* kept,
+                                  cudaStream_t stream) {
   if ((reinterpret_cast<uintptr_t>(hidden) | reinterpret_cast<uintptr_t>(weight)) & 15) return kSm90Misaligned;
   if (const char* e = ensure_encode()) return e;
   const bool bf16 = p.dtype == DType::kBF16;
@@ -555,37 +374,9 @@ const char* sm90_forward_partials(const Problem& p, const void* hidden, int64_t 
   P.rows = rows; P.chunk = p.chunk; P.spc = splits_per_chunk(p.chunk); P.nsplit = total_splits(p);
   P.vocab_start = p.vocab_start; P.real_vocab = p.real_vocab; P.row_tiles = (rows + kBM - 1) / kBM;
   P.kblocks = int32_t(p.h / kBK); P.bias = p.has_bias ? bias : nullptr; P.inv_temp = inv_temp; P.part = part;
-  return launch_<kFwdStats>(bf16, ma, mb, P, P.row_tiles * P.nsplit, stream);
-}
-
-const char* sm90_dlogit(const Problem& p, const Sm90DlogitArgs& a, cudaStream_t stream) {
-  if (const char* e = ensure_encode()) return e;
-  const bool bf16 = p.dtype == DType::kBF16;
-  CUtensorMap ma, mb;
-  if (!make_map(&ma, bf16, a.hidden, p.h, a.rn, p.h, kBM) || !make_map(&mb, bf16, a.weight, p.h, a.pw, p.h, kBN))
-    return "rlk cuda: tensor map encoding failed";
-  Params P{};
-  P.rows = a.rn; P.ncols = a.pw; P.row_tiles = (a.rn + kBM - 1) / kBM; P.col_tiles = (a.pw + kBN - 1) / kBN;
-  P.kblocks = int32_t(p.h / kBK);
-  P.vocab_start = p.vocab_start; P.real_vocab = p.real_vocab; P.bias = a.bias; P.inv_temp = a.inv_temp;
-  P.targets = a.targets; P.lse = a.lse; P.ent = a.ent; P.g = a.g; P.e = a.e; P.p0 = a.p0;
-  P.dlog = a.dlog; P.ldd = a.P; P.dlogT = a.dlogT; P.ldt = a.R; P.dzz_part = a.dzz_part; P.nt = a.P / 128;
-  P.db_part = a.db_part; P.ignore_index = p.ignore_index;
-  return launch_<kDlogit>(bf16, ma, mb, P, P.row_tiles * P.col_tiles, stream);
-}
-
-const char* sm90_gemm_out(const Problem& p, const void* A, int64_t lda, const void* B, int64_t ldb, int64_t M,
-                          int64_t N, int64_t K, float* outf, void* outT, int64_t ldo, int mode, cudaStream_t stream) {
-  if (const char* e = ensure_encode()) return e;
-  const bool bf16 = p.dtype == DType::kBF16;
-  CUtensorMap ma, mb;
-  if (!make_map(&ma, bf16, A, K, M, lda, kBM) || !make_map(&mb, bf16, B, K, N, ldb, kBN))
-    return "rlk cuda: tensor map encoding failed";
-  Params P{};
-  P.rows = M; P.ncols = N; P.row_tiles = (M + kBM - 1) / kBM; P.col_tiles = (N + kBN - 1) / kBN;
-  P.kblocks = int32_t((K + kBK - 1) / kBK);
-  P.outf = outf; P.outT = outT; P.ldo = ldo; P.mode = mode;
-  return launch_<kOut>(bf16, ma, mb, P, P.row_tiles * P.col_tiles, stream);
+  P.kept = static_cast<__half*>(kept); P.ldk = p.v;
+  const int64_t units = P.row_tiles * P.nsplit;
+  return kept ? launch<true>(bf16, ma, mb, P, units, stream) : launch<false>(bf16, ma, mb, P, units, stream);
 }
 
 }  // namespace rlk::cuda::detail

@@ -41,28 +41,12 @@ bool sm90_enabled();
 #if RLK_HAVE_SM90
 extern const char* const kSm90Misaligned;  // returned when TMA cannot take the pointers
 // The Hopper forward: fills part[rows, total_splits, 3] for rows [0, rows) of the given hidden
-// pointer (already offset to the pass's first row). Returns nullptr or a static error.
-const char* sm90_forward_partials(const Problem& p, const void* hidden, int64_t rows,
-                                  const void* weight, const float* bias, const float* inv_temp,
-                                  float* part, cudaStream_t stream);
-constexpr int64_t kSm90HMultiple = 64;
-
-// The Hopper backward pieces (see linear_logp_cuda.cu for the driver).
-struct Sm90DlogitArgs {
-  const void* hidden;   // pass's first row, [rn, h]
-  const void* weight;   // piece's first vocab row, [pw, h]
-  const float* bias;    // piece's first column (f32) or null
-  const int32_t* targets; const float *inv_temp, *lse, *ent, *g, *e;  // pass-offset; ent/e may be null
-  int64_t rn, pw, p0, P, R;
-  void* dlog;   // [rn, P] dtype
-  void* dlogT;  // [P, R] dtype
-  float* dzz_part;  // [R, P/128]
-  float* db_part;   // [R/128, P] or null
-};
-const char* sm90_dlogit(const Problem& p, const Sm90DlogitArgs& a, cudaStream_t stream);
-// out[M, N] (mode as gemm_out_kernel) from A [M, K] (row stride lda) and B [N, K] (ldb), both K-major.
-const char* sm90_gemm_out(const Problem& p, const void* A, int64_t lda, const void* B, int64_t ldb, int64_t M,
-                          int64_t N, int64_t K, float* outf, void* outT, int64_t ldo, int mode, cudaStream_t stream);  // h must be a multiple of this (one K tile)
+// pointer (already offset to the pass's first row) and, when `kept` is not null, the kept logits
+// (fp16, row stride p.v, offset likewise). Returns nullptr or a static error.
+const char* sm90_forward_partials(const Problem& p, const void* hidden, int64_t rows, const void* weight,
+                                  const float* bias, const float* inv_temp, float* part, void* kept,
+                                  cudaStream_t stream);
+constexpr int64_t kSm90HMultiple = 64;  // h must be a multiple of this (one K tile)
 #endif
 
 }  // namespace rlk::cuda::detail

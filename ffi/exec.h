@@ -17,7 +17,7 @@ struct CpuExec {
   }
   Status combine(const CombineArgs& a) { return cpu::combine(a); }
   Status backward(const Problem& p, const BwdArgs& a) {
-    count_call(Backend::kCpu, true, p.n);
+    count_call(Backend::kCpu, true, p.n, a.logits != nullptr);
     return cpu::backward(p, a);
   }
 };
@@ -37,10 +37,8 @@ struct CudaExec {
   }
   Status combine(const CombineArgs& a) { return cuda::combine(a, stream); }
   Status backward(const Problem& p, const BwdArgs& a) {
-    if (cuda::backward_workspace_bytes(p) > ws.bytes) return "rlk cuda backward: workspace too small";
-    Backend ran = Backend::kCudaPortable;
-    Status s = cuda::backward(p, a, ws, stream, &ran);
-    if (!s) count_call(ran, true, p.n);
+    Status s = cuda::backward(p, a, ws, stream);
+    if (!s) count_call(Backend::kCudaBlas, true, p.n, a.logits != nullptr);
     return s;
   }
 };

@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <initializer_list>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -125,11 +126,15 @@ inline ffi::Error make_problem(const Inputs& in, ffi::DataType ht, ffi::DataType
   return ffi::Error::Success();
 }
 
-// forward: (hidden, weight, bias, targets, inv_temp) -> (stats, target_logit)
+inline bool is_logits_of(const View& v, const Problem& p) {
+  return v.core[0] == p.n && v.core[1] == p.v && v.elem_bytes == dtype_bytes(logits_dtype(p.dtype));
+}
+
+// forward: (hidden, weight, bias, targets, inv_temp) -> (stats, target_logit[, kept logits])
 template <class Exec>
 ffi::Error forward(Exec& ex, ffi::AnyBuffer hidden, ffi::AnyBuffer weight, ffi::AnyBuffer bias,
                    ffi::AnyBuffer targets, ffi::AnyBuffer inv_temp, ffi::Result<ffi::AnyBuffer> stats,
-                   ffi::Result<ffi::AnyBuffer> target_logit, const Attrs& at) {
+                   ffi::Result<ffi::AnyBuffer> target_logit, std::optional<View> kept, const Attrs& at) {
   Inputs in{view(hidden, 2), view(weight, 2), view(bias, 1), view(targets, 1), view(inv_temp, 1)};
   Problem p;
   if (auto e = make_problem(in, hidden.element_type(), weight.element_type(), bias.element_type(), at, &p);
@@ -139,6 +144,7 @@ ffi::Error forward(Exec& ex, ffi::AnyBuffer hidden, ffi::AnyBuffer weight, ffi::
   const Batch batch(st.lead);
   for (const View* v : std::initializer_list<const View*>{&in.hidden, &in.weight, &in.bias, &in.targets, &in.inv_temp})
     if (!batch.fits(*v)) return invalid("unsupported batching of the operands");
+  if (kept && (!batch.full(*kept) || !is_logits_of(*kept, p))) return invalid("kept logits must be [n, v] of logits_dtype");
   // Rows are independent: with one shared weight and every row operand batched alike, the batch
   // folds into the rows (the same bits as a loop, since results are batch invariant).
   const bool fold = batch.single(in.weight) && batch.single(in.bias) && batch.full(in.hidden) &&
@@ -154,6 +160,7 @@ ffi::Error forward(Exec& ex, ffi::AnyBuffer hidden, ffi::AnyBuffer weight, ffi::
     a.inv_temp = batch.at<const float>(in.inv_temp, b);
     a.stats = batch.at<float>(st, b);
     a.target_logit = batch.at<float>(tl, b);
+    a.logits = kept ? batch.at(*kept, b) : nullptr;
     if (auto e = from_status(ex.forward(p, a)); e.failure()) return e;
   }
   return ffi::Error::Success();
@@ -187,12 +194,13 @@ ffi::Error combine(Exec& ex, ffi::AnyBuffer stats, ffi::AnyBuffer target_logit, 
   return ffi::Error::Success();
 }
 
-// backward: (hidden, weight, bias, targets, inv_temp, lse, entropy, g, e)
-//        -> (dhidden f32, dweight, dbias f32, dzz f32)
+// backward: (hidden, weight, bias, targets, inv_temp, lse, entropy, g, e[, kept logits])
+//        -> (dhidden f32, dweight, dbias f32, dzz f32). The fast variant's kept logits come as a
+//        result aliased to the operand (the backend may overwrite them), hence a View here.
 template <class Exec>
 ffi::Error backward(Exec& ex, ffi::AnyBuffer hidden, ffi::AnyBuffer weight, ffi::AnyBuffer bias,
                     ffi::AnyBuffer targets, ffi::AnyBuffer inv_temp, ffi::AnyBuffer lse, ffi::AnyBuffer entropy,
-                    ffi::AnyBuffer g, ffi::AnyBuffer e, ffi::Result<ffi::AnyBuffer> dhidden,
+                    ffi::AnyBuffer g, ffi::AnyBuffer e, std::optional<View> kept, ffi::Result<ffi::AnyBuffer> dhidden,
                     ffi::Result<ffi::AnyBuffer> dweight, ffi::Result<ffi::AnyBuffer> dbias,
                     ffi::Result<ffi::AnyBuffer> dzz, const Attrs& at) {
   Inputs in{view(hidden, 2), view(weight, 2), view(bias, 1), view(targets, 1), view(inv_temp, 1)};
@@ -205,6 +213,7 @@ ffi::Error backward(Exec& ex, ffi::AnyBuffer hidden, ffi::AnyBuffer weight, ffi:
   const Batch batch(dh.lead);
   for (const View* v : std::initializer_list<const View*>{&in.hidden, &in.weight, &in.bias, &in.targets, &in.inv_temp, &vl, &ve, &vg, &vee})
     if (!batch.fits(*v)) return invalid("unsupported batching of the operands");
+  if (kept && (!batch.full(*kept) || !is_logits_of(*kept, p))) return invalid("kept logits must be [n, v] of logits_dtype");
   for (int64_t b = 0; b < batch.count; ++b) {
     BwdArgs a;
     a.hidden = batch.at(in.hidden, b);
@@ -216,6 +225,7 @@ ffi::Error backward(Exec& ex, ffi::AnyBuffer hidden, ffi::AnyBuffer weight, ffi:
     a.entropy = p.with_entropy ? batch.at<const float>(ve, b) : nullptr;
     a.g = batch.at<const float>(vg, b);
     a.e = p.with_entropy ? batch.at<const float>(vee, b) : nullptr;
+    a.logits = kept ? batch.at(*kept, b) : nullptr;
     a.dhidden = batch.at<float>(dh, b);
     a.dweight = batch.at(dw, b);
     a.dbias = p.has_bias ? batch.at<float>(db, b) : nullptr;

@@ -15,7 +15,17 @@ ffi::Error ForwardCuda(cudaStream_t stream, ffi::AnyBuffer hidden, ffi::AnyBuffe
                        int64_t vocab_start, int64_t real_vocab, int64_t chunk, int64_t ignore_index,
                        int64_t has_bias, int64_t with_entropy) {
   CudaExec ex{stream, workspace_of(workspace)};
-  return forward(ex, hidden, weight, bias, targets, inv_temp, stats, target_logit,
+  return forward(ex, hidden, weight, bias, targets, inv_temp, stats, target_logit, std::nullopt,
+                 {vocab_start, real_vocab, chunk, ignore_index, has_bias, with_entropy});
+}
+
+ffi::Error ForwardKeepCuda(cudaStream_t stream, ffi::AnyBuffer hidden, ffi::AnyBuffer weight, ffi::AnyBuffer bias,
+                           ffi::AnyBuffer targets, ffi::AnyBuffer inv_temp, ffi::Result<ffi::AnyBuffer> stats,
+                           ffi::Result<ffi::AnyBuffer> target_logit, ffi::Result<ffi::AnyBuffer> kept,
+                           ffi::Result<ffi::AnyBuffer> workspace, int64_t vocab_start, int64_t real_vocab,
+                           int64_t chunk, int64_t ignore_index, int64_t has_bias, int64_t with_entropy) {
+  CudaExec ex{stream, workspace_of(workspace)};
+  return forward(ex, hidden, weight, bias, targets, inv_temp, stats, target_logit, view(*kept, 2),
                  {vocab_start, real_vocab, chunk, ignore_index, has_bias, with_entropy});
 }
 
@@ -34,8 +44,22 @@ ffi::Error BackwardCuda(cudaStream_t stream, ffi::AnyBuffer hidden, ffi::AnyBuff
                         int64_t real_vocab, int64_t chunk, int64_t ignore_index, int64_t has_bias,
                         int64_t with_entropy) {
   CudaExec ex{stream, workspace_of(workspace)};
-  return backward(ex, hidden, weight, bias, targets, inv_temp, lse, entropy, g, e, dhidden, dweight, dbias, dzz,
-                  {vocab_start, real_vocab, chunk, ignore_index, has_bias, with_entropy});
+  return backward(ex, hidden, weight, bias, targets, inv_temp, lse, entropy, g, e, std::nullopt, dhidden, dweight,
+                  dbias, dzz, {vocab_start, real_vocab, chunk, ignore_index, has_bias, with_entropy});
+}
+
+// kept_in and kept_out are one buffer (aliased by the caller): dlogit overwrites it.
+ffi::Error BackwardFastCuda(cudaStream_t stream, ffi::AnyBuffer hidden, ffi::AnyBuffer weight, ffi::AnyBuffer bias,
+                            ffi::AnyBuffer targets, ffi::AnyBuffer inv_temp, ffi::AnyBuffer lse, ffi::AnyBuffer entropy,
+                            ffi::AnyBuffer g, ffi::AnyBuffer e, ffi::AnyBuffer /*kept_in*/,
+                            ffi::Result<ffi::AnyBuffer> dhidden, ffi::Result<ffi::AnyBuffer> dweight,
+                            ffi::Result<ffi::AnyBuffer> dbias, ffi::Result<ffi::AnyBuffer> dzz,
+                            ffi::Result<ffi::AnyBuffer> kept_out, ffi::Result<ffi::AnyBuffer> workspace,
+                            int64_t vocab_start, int64_t real_vocab, int64_t chunk, int64_t ignore_index,
+                            int64_t has_bias, int64_t with_entropy) {
+  CudaExec ex{stream, workspace_of(workspace)};
+  return backward(ex, hidden, weight, bias, targets, inv_temp, lse, entropy, g, e, view(*kept_out, 2), dhidden,
+                  dweight, dbias, dzz, {vocab_start, real_vocab, chunk, ignore_index, has_bias, with_entropy});
 }
 
 }  // namespace
@@ -69,4 +93,24 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(RlkBackwardCuda, rlk::ffi_handlers::BackwardCuda,
                                   .Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>() RLK_PROBLEM_ATTRS,
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RlkForwardKeepCuda, rlk::ffi_handlers::ForwardKeepCuda,
+                              ffi::Ffi::Bind()
+                                  .Ctx<Stream>()
+                                  .Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>() RLK_PROBLEM_ATTRS,
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RlkBackwardFastCuda, rlk::ffi_handlers::BackwardFastCuda,
+                              ffi::Ffi::Bind()
+                                  .Ctx<Stream>()
+                                  .Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>() RLK_PROBLEM_ATTRS,
                               {ffi::Traits::kCmdBufferCompatible});

@@ -16,12 +16,16 @@
 #include "xla/ffi/api/c_api.h"
 extern "C" {
 XLA_FFI_Error* RlkForwardCpu(XLA_FFI_CallFrame*);
+XLA_FFI_Error* RlkForwardKeepCpu(XLA_FFI_CallFrame*);
 XLA_FFI_Error* RlkCombineCpu(XLA_FFI_CallFrame*);
 XLA_FFI_Error* RlkBackwardCpu(XLA_FFI_CallFrame*);
+XLA_FFI_Error* RlkBackwardFastCpu(XLA_FFI_CallFrame*);
 #if RLK_HAVE_CUDA
 XLA_FFI_Error* RlkForwardCuda(XLA_FFI_CallFrame*);
+XLA_FFI_Error* RlkForwardKeepCuda(XLA_FFI_CallFrame*);
 XLA_FFI_Error* RlkCombineCuda(XLA_FFI_CallFrame*);
 XLA_FFI_Error* RlkBackwardCuda(XLA_FFI_CallFrame*);
+XLA_FFI_Error* RlkBackwardFastCuda(XLA_FFI_CallFrame*);
 #endif
 }
 #endif
@@ -127,9 +131,18 @@ void run_on(int device, const std::optional<Array>& workspace, uintptr_t stream,
 #endif
 }
 
+// Kept logits: [n, v] of logits_dtype on the call's device.
+void* kept_of(const std::optional<Array>& logits, const Call& c) {
+  if (!logits) return nullptr;
+  const nb::dlpack::dtype f16{uint8_t(nb::dlpack::dtype_code::Float), 16, 1};
+  const nb::dlpack::dtype want = logits_dtype(c.p.dtype) == rlk::DType::kF32 ? nb::dtype<float>() : f16;
+  expect(*logits, want, {c.p.n, c.p.v}, c.device, "logits (float16; float32 for float32 operands)");
+  return logits->data();
+}
+
 void dl_forward(Array hidden, Array weight, std::optional<Array> bias, Array targets, Array inv_temp, Array stats,
-                Array target_logit, std::optional<Array> workspace, int64_t vocab_start, int64_t real_vocab,
-                int64_t chunk, int64_t ignore_index, bool with_entropy, uintptr_t stream) {
+                Array target_logit, std::optional<Array> logits, std::optional<Array> workspace, int64_t vocab_start,
+                int64_t real_vocab, int64_t chunk, int64_t ignore_index, bool with_entropy, uintptr_t stream) {
   const Call c = make_call(hidden, weight, bias, targets, inv_temp, vocab_start, real_vocab, chunk, ignore_index,
                            with_entropy);
   expect(stats, nb::dtype<float>(), {c.p.n, rlk::num_chunks(c.p), rlk::kStatWidth}, c.device, "stats");
@@ -142,6 +155,7 @@ void dl_forward(Array hidden, Array weight, std::optional<Array> bias, Array tar
   a.inv_temp = static_cast<const float*>(inv_temp.data());
   a.stats = static_cast<float*>(stats.data());
   a.target_logit = static_cast<float*>(target_logit.data());
+  a.logits = kept_of(logits, c);
   run_on(c.device, workspace, stream, [&](auto& ex) { return ex.forward(c.p, a); });
 }
 
@@ -169,7 +183,8 @@ void dl_combine(Array stats, Array target_logit, Array targets, Array logp, Arra
 }
 
 void dl_backward(Array hidden, Array weight, std::optional<Array> bias, Array targets, Array inv_temp, Array lse,
-                 std::optional<Array> entropy, Array g, std::optional<Array> e, Array dhidden, Array dweight,
+                 std::optional<Array> entropy, Array g, std::optional<Array> e, std::optional<Array> logits,
+                 Array dhidden, Array dweight,
                  std::optional<Array> dbias, Array dzz, std::optional<Array> workspace, int64_t vocab_start,
                  int64_t real_vocab, int64_t chunk, int64_t ignore_index, uintptr_t stream) {
   const bool with_entropy = entropy.has_value() && e.has_value();
@@ -197,6 +212,7 @@ void dl_backward(Array hidden, Array weight, std::optional<Array> bias, Array ta
   a.entropy = with_entropy ? static_cast<const float*>(entropy->data()) : nullptr;
   a.g = static_cast<const float*>(g.data());
   a.e = with_entropy ? static_cast<const float*>(e->data()) : nullptr;
+  a.logits = kept_of(logits, c);
   a.dhidden = static_cast<float*>(dhidden.data());
   a.dweight = dweight.data();
   a.dbias = (bias && dbias) ? static_cast<float*>(dbias->data()) : nullptr;
@@ -220,14 +236,18 @@ NB_MODULE(_rlk_core, m) {
 #if RLK_HAVE_XLA_FFI
     nb::dict cpu;
     cpu["rlk_forward"] = capsule_of(RlkForwardCpu);
+    cpu["rlk_forward_keep"] = capsule_of(RlkForwardKeepCpu);
     cpu["rlk_combine"] = capsule_of(RlkCombineCpu);
     cpu["rlk_backward"] = capsule_of(RlkBackwardCpu);
+    cpu["rlk_backward_fast"] = capsule_of(RlkBackwardFastCpu);
     out["cpu"] = cpu;
 #if RLK_HAVE_CUDA
     nb::dict gpu;
     gpu["rlk_forward"] = capsule_of(RlkForwardCuda);
+    gpu["rlk_forward_keep"] = capsule_of(RlkForwardKeepCuda);
     gpu["rlk_combine"] = capsule_of(RlkCombineCuda);
     gpu["rlk_backward"] = capsule_of(RlkBackwardCuda);
+    gpu["rlk_backward_fast"] = capsule_of(RlkBackwardFastCuda);
     out["CUDA"] = gpu;
 #endif
 #endif
@@ -239,21 +259,32 @@ NB_MODULE(_rlk_core, m) {
 #if RLK_HAVE_CUDA
           const rlk::Problem p = shape_problem(n, h, v, chunk, dtype, has_bias, with_entropy);
           return std::make_tuple(int64_t(rlk::cuda::forward_workspace_bytes(p)),
-                                 int64_t(rlk::cuda::backward_workspace_bytes(p)));
+                                 int64_t(rlk::cuda::backward_workspace_bytes(p, false)),
+                                 int64_t(rlk::cuda::backward_workspace_bytes(p, true)));
 #else
           (void)shape_problem(n, h, v, chunk, dtype, has_bias, with_entropy);
-          return std::make_tuple(int64_t(0), int64_t(0));
+          return std::make_tuple(int64_t(0), int64_t(0), int64_t(0));
 #endif
         },
         nb::arg("n"), nb::arg("h"), nb::arg("v"), nb::arg("chunk"), nb::arg("dtype"), nb::arg("has_bias"),
-        nb::arg("with_entropy"), "(forward, backward) CUDA workspace bytes for this problem shape.");
+        nb::arg("with_entropy"),
+        "(forward, lean backward, fast backward) CUDA workspace bytes for this problem shape.");
+
+  m.def("cuda_prepare_backward", [](int device) {
+#if RLK_HAVE_CUDA
+    check(rlk::cuda::prepare_backward(device));
+#else
+    (void)device;
+    throw std::invalid_argument("rlk: this build has no CUDA backend");
+#endif
+  }, nb::arg("device"), "Load cuBLAS and create CUDA device `device`'s handle (call before any CUDA-graph capture).");
 
   m.def("route_counts", [] {
     nb::dict out;
     for (int b = 0; b < int(rlk::Backend::kCount); ++b) {
       const rlk::RouteCounts c = rlk::read_counts(rlk::Backend(b));
       out[rlk::backend_name(rlk::Backend(b))] =
-          nb::make_tuple(c.fwd_calls, c.fwd_tokens, c.bwd_calls, c.bwd_tokens);
+          nb::make_tuple(c.fwd_calls, c.fwd_tokens, c.bwd_calls, c.bwd_tokens, c.bwd_fast_calls);
     }
     return out;
   });
@@ -261,10 +292,12 @@ NB_MODULE(_rlk_core, m) {
 
   m.def("forward", &dl_forward, nb::arg("hidden").noconvert(), nb::arg("weight").noconvert(),
         nb::arg("bias").noconvert().none(), nb::arg("targets").noconvert(), nb::arg("inv_temp").noconvert(),
-        nb::arg("stats").noconvert(), nb::arg("target_logit").noconvert(), nb::arg("workspace").noconvert().none(),
+        nb::arg("stats").noconvert(), nb::arg("target_logit").noconvert(), nb::arg("logits").noconvert().none(),
+        nb::arg("workspace").noconvert().none(),
         nb::arg("vocab_start"), nb::arg("real_vocab"), nb::arg("chunk"), nb::arg("ignore_index"),
         nb::arg("with_entropy"), nb::arg("stream"),
-        "Forward statistics into caller-allocated stats [n, v/chunk, 3] and target_logit [n] (DLPack).");
+        "Forward statistics into caller-allocated stats [n, v/chunk, 3] and target_logit [n], and the kept\n"
+        "logits [n, v] (float16; float32 for float32 operands) when `logits` is given (DLPack).");
   m.def("combine", &dl_combine, nb::arg("stats").noconvert(), nb::arg("target_logit").noconvert(),
         nb::arg("targets").noconvert(), nb::arg("logp").noconvert(), nb::arg("lse").noconvert(),
         nb::arg("entropy").noconvert(), nb::arg("real_vocab"), nb::arg("ignore_index"), nb::arg("stream"),
@@ -272,8 +305,9 @@ NB_MODULE(_rlk_core, m) {
   m.def("backward", &dl_backward, nb::arg("hidden").noconvert(), nb::arg("weight").noconvert(),
         nb::arg("bias").noconvert().none(), nb::arg("targets").noconvert(), nb::arg("inv_temp").noconvert(),
         nb::arg("lse").noconvert(), nb::arg("entropy").noconvert().none(), nb::arg("g").noconvert(),
-        nb::arg("e").noconvert().none(), nb::arg("dhidden").noconvert(), nb::arg("dweight").noconvert(),
+        nb::arg("e").noconvert().none(), nb::arg("logits").noconvert().none(), nb::arg("dhidden").noconvert(), nb::arg("dweight").noconvert(),
         nb::arg("dbias").noconvert().none(), nb::arg("dzz").noconvert(), nb::arg("workspace").noconvert().none(),
         nb::arg("vocab_start"), nb::arg("real_vocab"), nb::arg("chunk"), nb::arg("ignore_index"), nb::arg("stream"),
-        "Backward into caller-allocated dhidden f32, dweight, dbias f32, dzz f32 (DLPack).");
+        "Backward into caller-allocated dhidden f32, dweight, dbias f32, dzz f32 (DLPack). With `logits`\n"
+        "(the forward's kept logits) the fast strategy, which on CUDA overwrites them; else lean.");
 }

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
+import os
 from typing import Any
 
 import jax
@@ -124,3 +125,26 @@ def validate_targets(targets, vocab_size: int, ignore_index: int = -100) -> None
         i = int(bad[0])
         raise ValueError(f"targets[{i}] = {int(t[i])} is outside [0, {vocab_size}) and is not "
                          f"ignore_index={ignore_index} ({bad.size} bad ids in all)")
+
+
+BACKWARDS = ("auto", "fast", "lean")
+DEFAULT_BACKWARD_MEMORY_BUDGET = 4 << 30  # bytes; env RLK_BACKWARD_MEMORY_BUDGET overrides
+
+
+def kept_logits_bytes(n: int, v_local: int, dtype) -> int:
+    """Extra memory of the fast backward: the kept logits, fp16 (fp32 for fp32 operands)."""
+    return n * v_local * (4 if jnp.dtype(dtype) == jnp.dtype(F32) else 2)
+
+
+def resolve_backward(backward: str, n: int, v_local: int, dtype, budget) -> str:
+    """"fast" or "lean". auto: fast when the kept logits fit the budget (bytes; None: env
+    RLK_BACKWARD_MEMORY_BUDGET, else DEFAULT_BACKWARD_MEMORY_BUDGET)."""
+    if backward not in BACKWARDS:
+        raise ValueError(f"backward must be one of {BACKWARDS}, got {backward!r}")
+    if budget is None:
+        budget = int(os.environ.get("RLK_BACKWARD_MEMORY_BUDGET", DEFAULT_BACKWARD_MEMORY_BUDGET))
+    if not isinstance(budget, numbers.Integral) or budget < 0:
+        raise ValueError(f"backward_memory_budget must be an int >= 0 (bytes), got {budget!r}")
+    if backward != "auto":
+        return backward
+    return "fast" if kept_logits_bytes(n, v_local, dtype) <= budget else "lean"

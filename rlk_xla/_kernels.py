@@ -1,4 +1,5 @@
-"""The three compiled kernels as jax.ffi calls: forward statistics, combine, backward.
+"""The compiled kernels as jax.ffi calls: forward statistics (optionally keeping the logits),
+combine, backward (lean: recompute; fast: from the kept logits).
 
 Each call lowers to the handler of the platform it runs on (lax.platform_dependent): the CUDA
 handlers take a trailing scratch buffer sized by the library, the CPU handlers none.
@@ -40,13 +41,15 @@ def _sds(shape, dtype=F32, operands=()):
     return result_type(tuple(shape), dtype, operands)
 
 
-def _on_platform(results, cuda_workspace: int | None, name: str, args, attrs):
+def _on_platform(results, cuda_workspace: int | None, name: str, args, attrs, aliases=None):
     """ffi_call `name` on whichever platform this lowers for. The CUDA handlers of forward and
-    backward take a trailing scratch result of `cuda_workspace` bytes; combine (None) takes none."""
+    backward take a trailing scratch result of `cuda_workspace` bytes; combine (None) takes none.
+    aliases: {operand index: result index} (input_output_aliases)."""
     registered_platforms()
+    aliases = aliases or {}
 
     def cpu(*a):
-        return jax.ffi.ffi_call(name, results, vmap_method="expand_dims")(*a, **attrs)
+        return jax.ffi.ffi_call(name, results, vmap_method="expand_dims", input_output_aliases=aliases)(*a, **attrs)
 
     if not has_platform("CUDA"):
         return cpu(*args)
@@ -55,13 +58,14 @@ def _on_platform(results, cuda_workspace: int | None, name: str, args, attrs):
         if cuda_workspace is None:
             return cpu(*a)
         with_ws = list(results) + [_sds((max(cuda_workspace, 1),), jnp.uint8, a)]
-        out = jax.ffi.ffi_call(name, with_ws, vmap_method="expand_dims")(*a, **attrs)
+        out = jax.ffi.ffi_call(name, with_ws, vmap_method="expand_dims", input_output_aliases=aliases)(*a, **attrs)
         return tuple(out[:-1])
 
     return lax.platform_dependent(*args, cpu=cpu, cuda=cuda)
 
 
-def _workspace(hidden, weight, cfg: KernelConfig) -> tuple[int, int]:
+def _workspace(hidden, weight, cfg: KernelConfig) -> tuple[int, int, int]:
+    """(forward, lean backward, fast backward) CUDA scratch bytes."""
     n, h = hidden.shape
     return core.cuda_workspace_bytes(n, h, weight.shape[0], cfg.chunk, DTYPE_CODE[jnp.dtype(hidden.dtype)],
                                      cfg.has_bias, cfg.with_entropy)
@@ -71,13 +75,23 @@ def _bias_arg(bias):
     return bias if bias is not None else jnp.zeros((0,), F32)
 
 
-def forward(hidden, weight, bias, targets, inv_temp, cfg: KernelConfig):
+def logits_dtype(dtype):
+    """The kept logits' dtype: fp16 for 16-bit operands (3 more mantissa bits than bf16; values
+    saturate at +-65504), fp32 for fp32 operands."""
+    return F32 if jnp.dtype(dtype) == jnp.dtype(F32) else jnp.float16
+
+
+def forward(hidden, weight, bias, targets, inv_temp, cfg: KernelConfig, keep_logits: bool = False):
     """bias: [v] f32 or None. -> stats [n, v/chunk, STAT_WIDTH] f32, target_logit [n] f32 (0 where
-    the target is not a real id of this shard)."""
+    the target is not a real id of this shard)[, with keep_logits the logits [n, v] for the fast
+    backward, in logits_dtype]."""
     n, v = hidden.shape[0], weight.shape[0]
     args = (hidden, weight, _bias_arg(bias), targets, inv_temp)
     results = (_sds((n, v // cfg.chunk, STAT_WIDTH), F32, args), _sds((n,), F32, args))
-    return _on_platform(results, _workspace(hidden, weight, cfg)[0], "rlk_forward", args, cfg.attrs())
+    if keep_logits:
+        results += (_sds((n, v), logits_dtype(hidden.dtype), args),)
+    name = "rlk_forward_keep" if keep_logits else "rlk_forward"
+    return _on_platform(results, _workspace(hidden, weight, cfg)[0], name, args, cfg.attrs())
 
 
 def combine(stats, target_logit, targets, *, real_vocab: int, ignore_index: int):
@@ -88,8 +102,10 @@ def combine(stats, target_logit, targets, *, real_vocab: int, ignore_index: int)
     return _on_platform((_sds((n,), F32, args),) * 3, None, "rlk_combine", args, attrs)
 
 
-def backward(hidden, weight, bias, targets, inv_temp, lse, entropy, g, e, cfg: KernelConfig):
-    """-> dhidden [n, h] f32 (this shard's part), dweight [v, h], dbias [v] f32, dzz [n] f32."""
+def backward(hidden, weight, bias, targets, inv_temp, lse, entropy, g, e, cfg: KernelConfig, logits=None):
+    """-> dhidden [n, h] f32 (this shard's part), dweight [v, h], dbias [v] f32, dzz [n] f32.
+    logits: the forward's kept logits (the fast strategy; the CUDA kernels overwrite the buffer,
+    which XLA gives them through an operand-result alias), or None (lean: recompute)."""
     n, h = hidden.shape
     v = weight.shape[0]
     empty = jnp.zeros((0,), F32)
@@ -97,4 +113,24 @@ def backward(hidden, weight, bias, targets, inv_temp, lse, entropy, g, e, cfg: K
             entropy if cfg.with_entropy else empty, g, e if cfg.with_entropy else empty)
     results = (_sds((n, h), F32, args), _sds((v, h), weight.dtype, args),
                _sds((v if cfg.has_bias else 0,), F32, args), _sds((n,), F32, args))
-    return _on_platform(results, _workspace(hidden, weight, cfg)[1], "rlk_backward", args, cfg.attrs())
+    _prepare_cuda()
+    ws = _workspace(hidden, weight, cfg)
+    if logits is None:
+        return _on_platform(results, ws[1], "rlk_backward", args, cfg.attrs())
+    args += (logits,)
+    results += (_sds(logits.shape, logits.dtype, args),)
+    out = _on_platform(results, ws[2], "rlk_backward_fast", args, cfg.attrs(), aliases={len(args) - 1: 4})
+    return tuple(out[:4])
+
+
+def _prepare_cuda():
+    """cuBLAS handles for every local GPU, now at trace time: creating one inside the CUDA graph
+    XLA may capture the backward into would fail."""
+    if not has_platform("CUDA"):
+        return
+    try:
+        gpus = jax.local_devices(backend="gpu")
+    except RuntimeError:  # no GPU backend in this process
+        return
+    for d in gpus:
+        core.cuda_prepare_backward(d.local_hardware_id if d.local_hardware_id is not None else d.id)

@@ -15,7 +15,7 @@ from jax import lax
 
 from . import _kernels as K
 from . import reference, routes
-from ._args import SUPPORTED_DTYPES, Args, parse
+from ._args import SUPPORTED_DTYPES, Args, parse, resolve_backward
 from ._compat import psum_to, pvary
 from ._core import has_platform, registered_platforms
 
@@ -27,7 +27,8 @@ PAD_LOGIT = -1e30
 
 
 def linear_logp(hidden, weight, targets, *, bias=None, temperature=1.0, ignore_index=-100, vocab_start=None,
-                real_vocab_size=None, return_entropy=False, mode=None, axis_name=None):
+                real_vocab_size=None, return_entropy=False, mode=None, axis_name=None, backward="auto",
+                backward_memory_budget=None):
     """Selected-token log-probabilities (and optionally entropies) of `hidden @ weight.T`.
 
     hidden [..., H] (bf16, fp16 or fp32), weight [V, H] (same dtype), targets [...] int token ids.
@@ -37,11 +38,18 @@ def linear_logp(hidden, weight, targets, *, bias=None, temperature=1.0, ignore_i
     Inside shard_map pass axis_name: weight (and bias) are this device's vocab shard, vocab_start
     defaults to axis_index * V, real_vocab_size to the padded global vocab.
     mode: "auto" (default, env RLK_MODE), "strict", "audit" or "off" (the reference).
+    backward: the gradient's strategy. "fast" keeps this shard's logits from the forward (fp16,
+    fp32 for fp32 operands: n * V_local * 2 bytes) and reads them back; "lean" recomputes them
+    chunk by chunk (at most 192 MB of scratch on CUDA, whatever n and V); "auto" (default) is fast
+    when the kept logits fit backward_memory_budget bytes (default: env
+    RLK_BACKWARD_MEMORY_BUDGET, else 4 GiB), else lean. Only calls that are differentiated keep
+    logits.
     """
     mode = routes.resolve_mode(mode)
     a = parse(hidden, weight, targets, bias=bias, temperature=temperature, ignore_index=ignore_index,
               vocab_start=vocab_start, real_vocab_size=real_vocab_size, axis_name=axis_name)
     n = a.hidden.shape[0]
+    strategy = resolve_backward(backward, n, a.weight.shape[0], a.hidden.dtype, backward_memory_budget)
     reason = _unsupported(a)
     if n == 0 or mode == "off":
         if n:
@@ -53,7 +61,7 @@ def linear_logp(hidden, weight, targets, *, bias=None, temperature=1.0, ignore_i
         routes.count_reference(n, reason)
         logp, ent = reference.rows(a, return_entropy)
     else:
-        logp, ent = fused_rows(a, return_entropy)
+        logp, ent = fused_rows(a, return_entropy, keep_logits=strategy == "fast")
         if mode == "audit":
             ref_logp, _ = reference.rows(a, False)
             routes.record_audit(logp, lax.stop_gradient(ref_logp))
@@ -81,9 +89,10 @@ class _Static:
     ignore_index: int
     axis_name: object
     tp: int
+    keep_logits: bool        # the fast backward: the forward keeps this shard's logits
 
 
-def fused_rows(a: Args, with_entropy: bool):
+def fused_rows(a: Args, with_entropy: bool, keep_logits: bool = False):
     """logp and entropy ([n] f32; entropy zeros unless asked) through the compiled kernels."""
     v_local = a.weight.shape[0]
     bias, ktargets = (None if a.bias is None else a.bias.astype(F32)), a.targets
@@ -100,7 +109,8 @@ def fused_rows(a: Args, with_entropy: bool):
         ktargets = _shard_targets(a, v_local)
         cfg = K.KernelConfig(vocab_start=0, real_vocab=a.v_global, chunk=a.chunk, ignore_index=a.ignore_index,
                              has_bias=bias is not None, with_entropy=with_entropy)
-    st = _Static(cfg=cfg, real_vocab=a.real_vocab, ignore_index=a.ignore_index, axis_name=a.axis_name, tp=a.tp)
+    st = _Static(cfg=cfg, real_vocab=a.real_vocab, ignore_index=a.ignore_index, axis_name=a.axis_name, tp=a.tp,
+                 keep_logits=keep_logits)
     chunk_offset = a.vocab_start // a.chunk
     return _fused(st, a.hidden, a.weight, bias, a.temperature, a.targets, ktargets, chunk_offset)
 
@@ -120,6 +130,8 @@ def _shard_targets(a: Args, v_local: int):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _fused(st: _Static, hidden, weight, bias, temperature, targets, ktargets, chunk_offset):
+    # Not differentiated: no logits to keep, whatever the strategy.
+    st = dataclasses.replace(st, keep_logits=False)
     return _fused_fwd(st, hidden, weight, bias, temperature, targets, ktargets, chunk_offset)[0]
 
 
@@ -130,7 +142,7 @@ def _varying(st: _Static, *xs):
 def _fused_fwd(st: _Static, hidden, weight, bias, temperature, targets, ktargets, chunk_offset):
     inv_temp = 1.0 / temperature
     hk, itk, ktk = _varying(st, hidden, inv_temp, ktargets)
-    stats, target_logit = K.forward(hk, weight, bias, ktk, itk, st.cfg)
+    stats, target_logit, *kept = K.forward(hk, weight, bias, ktk, itk, st.cfg, keep_logits=st.keep_logits)
     if st.axis_name is not None:
         # Every shard places its chunks at their global position and the sum over shards adds
         # exact zeros elsewhere: all shards then hold the same [n, chunks, 3] statistics, which the
@@ -143,14 +155,14 @@ def _fused_fwd(st: _Static, hidden, weight, bias, temperature, targets, ktargets
     logp, lse, ent = K.combine(stats, target_logit, targets, real_vocab=st.real_vocab, ignore_index=st.ignore_index)
     if not st.cfg.with_entropy:
         ent = jnp.zeros_like(logp)
-    return (logp, ent), (hidden, weight, bias, inv_temp, ktargets, lse, ent)
+    return (logp, ent), (hidden, weight, bias, inv_temp, ktargets, lse, ent, kept[0] if kept else None)
 
 
 def _fused_bwd(st: _Static, res, cts):
-    hidden, weight, bias, inv_temp, ktargets, lse, ent = res
+    hidden, weight, bias, inv_temp, ktargets, lse, ent, kept = res
     g, e = cts
     hk, itk, ktk, lk, ek, gk, eek = _varying(st, hidden, inv_temp, ktargets, lse, ent, g.astype(F32), e.astype(F32))
-    dh, dw, db, dzz = K.backward(hk, weight, bias, ktk, itk, lk, ek, gk, eek, st.cfg)
+    dh, dw, db, dzz = K.backward(hk, weight, bias, ktk, itk, lk, ek, gk, eek, st.cfg, logits=kept)
     dtemp = -itk * dzz
     if st.axis_name is not None:
         # dH and dT are partial sums over this shard's vocab: one all-reduce each over the vocab

@@ -62,7 +62,7 @@ def record_audit(ours, ref) -> None:
 def route_stats() -> dict:
     """Counters since the last reset: fused calls/tokens per backend (forward and backward), the
     reference path's calls/tokens, fallbacks by reason, and the audit summary."""
-    backends = {name: dict(zip(("fwd_calls", "fwd_tokens", "bwd_calls", "bwd_tokens"), counts))
+    backends = {name: dict(zip(("fwd_calls", "fwd_tokens", "bwd_calls", "bwd_tokens", "bwd_fast_calls"), counts))
                 for name, counts in core.route_counts().items()}
     with _lock:
         audit = dict(_audit)

@@ -14,17 +14,28 @@ import numpy as np
 #   (2^-8 bf16, 2^-11 fp16; 1e-5 for fp32 outputs) of the gradient, plus the fp32 accumulation
 #   error, which is relative to the sum of the magnitudes of the terms, not to their (possibly
 #   cancelling) sum: ACCUM_RTOL * || |dlogit| @ |W| || and alike.
+# - the fast backward reads z from fp16 kept logits (16-bit operands): |dz error| <= (|g| + |e|
+#   (1 + |lse - ent - z|)) p |dz_in| with |dz_in| <= 2^-11 |z| (+ 2^-24 below fp16's normal range),
+#   the bound carried elementwise into the same magnitude sums (KEPT_RTOL).
 VALUE_ATOL, VALUE_RTOL = 2e-5, 2e-5
 GRAD_RTOL = {"bfloat16": 2.0 ** -8, "float16": 2.0 ** -10, "float32": 1e-5}
 ACCUM_RTOL = 1e-5
+KEPT_RTOL, KEPT_ATOL = 2.0 ** -11, 2.0 ** -24
+# - the CUDA backward rounds dlogit to the operand dtype before its GEMMs: |error| <= u |dlogit|,
+#   u the dtype's unit roundoff (DLOGIT_ROUNDING), carried into the same magnitude sums.
+DLOGIT_ROUNDING = {"bfloat16": 2.0 ** -9, "float16": 2.0 ** -11, "float32": 0.0}
 
 
 def f64(x):
     return np.asarray(np.asarray(x, dtype=np.float32), dtype=np.float64)
 
 
-def linear_logp(h, w, t, *, bias=None, temperature=1.0, ignore_index=-100, real_vocab=None, g=None, e=None):
-    """Returns dict(logp, entropy, dh, dw, db, dtemp) in float64 for loss = sum g*logp + sum e*entropy."""
+def linear_logp(h, w, t, *, bias=None, temperature=1.0, ignore_index=-100, real_vocab=None, g=None, e=None,
+                kept_fp16=False, dlogit_dtype=None):
+    """Returns dict(logp, entropy, dh, dw, db, dtemp) in float64 for loss = sum g*logp + sum e*entropy,
+    and the magnitudes *_abs that scale the gradients' tolerances. kept_fp16: the gradients were
+    computed from fp16 kept logits (the fast backward on 16-bit operands); dlogit_dtype: dlogit
+    was rounded to this dtype before the gradient GEMMs (the CUDA backward)."""
     h, w = f64(h), f64(w)
     t = np.asarray(t).reshape(-1).astype(np.int64)
     n, v = h.shape[0], w.shape[0]
@@ -57,9 +68,17 @@ def linear_logp(h, w, t, *, bias=None, temperature=1.0, ignore_index=-100, real_
     # Magnitudes of the summed terms, for the fp32 part of the tolerance: each dz carries the error
     # of z - lse and lse - ent - z, i.e. a few ulps of |z|, |lse| and |ent|.
     mag = (np.abs(g) + np.abs(e))[:, None] * p * (1 + np.abs(lse)[:, None] + np.abs(np.where(keep, ent, 0.0))[:, None] + np.abs(zs))
-    ad = np.abs(dlogit) + np.where(pad | ~keep[:, None], 0.0, mag) / temp[:, None]
+    mag = np.where(pad | ~keep[:, None], 0.0, mag)
+    ad = np.abs(dlogit) + mag / temp[:, None]
+    adt = np.abs(dz * zs)
+    if kept_fp16:  # in units of ACCUM_RTOL, so that assert_grad's tolerance adds the bound
+        dz_in = KEPT_RTOL * np.abs(zs) + KEPT_ATOL
+        ad = ad + mag * dz_in / temp[:, None] / ACCUM_RTOL
+        adt = adt + (mag * np.abs(zs) + np.abs(dz)) * dz_in / ACCUM_RTOL
+    if dlogit_dtype is not None:  # dH, dW, db only: dzz is summed from the fp32 dz
+        ad = ad + DLOGIT_ROUNDING[str(dlogit_dtype)] * np.abs(dlogit) / ACCUM_RTOL
     out.update(dh_abs=ad @ np.abs(w), dw_abs=ad.T @ np.abs(h), db_abs=ad.sum(axis=0),
-               dtemp_abs=np.abs(dz * zs).sum(axis=1) / temp)
+               dtemp_abs=adt.sum(axis=1) / temp)
     return out
 
 

@@ -13,14 +13,16 @@ from helpers import make_inputs, value_and_grads
 from oracle import case_grid
 
 
-def check_against_oracle(n, h, v, dtype, o, fn=rlk_xla.linear_logp, seed=0):
+def check_against_oracle(n, h, v, dtype, o, fn=rlk_xla.linear_logp, seed=0, backward=None):
+    """backward: the fused op's strategy, or None for a function without one (the reference)."""
     d, kw, g, e = make_inputs(seed, n, h, v, dtype, bias=o["bias"], temp=o["temp"], ignore_frac=o["ignore_frac"],
                               real_vocab=o["real_vocab"])
     ent_on = o["entropy"]
-    logp, ent, grads = value_and_grads(fn, d, kw, g, e, with_entropy=ent_on)
+    op = fn if backward is None else (lambda *a, **k: fn(*a, backward=backward, **k))
+    logp, ent, grads = value_and_grads(op, d, kw, g, e, with_entropy=ent_on)
     ref = oracle.linear_logp(d["hidden"], d["weight"], d["targets"], bias=kw.get("bias"),
                              temperature=kw.get("temperature", 1.0), real_vocab=o["real_vocab"], g=g,
-                             e=e if ent_on else None)
+                             e=e if ent_on else None, kept_fp16=backward == "fast" and dtype != "float32")
     oracle.assert_values(logp, ref["logp"], "logp")
     if ent_on:
         oracle.assert_values(ent, ref["entropy"], "entropy")
@@ -32,9 +34,10 @@ def check_against_oracle(n, h, v, dtype, o, fn=rlk_xla.linear_logp, seed=0):
         oracle.assert_grad(grads["temperature"], ref["dtemp"], "float32", "d temperature", ref["dtemp_abs"])
 
 
+@pytest.mark.parametrize("backward", ["fast", "lean"])
 @pytest.mark.parametrize("n,h,v,dtype,o", case_grid(), ids=lambda x: str(x) if not isinstance(x, dict) else "")
-def test_against_float64_oracle(n, h, v, dtype, o):
-    check_against_oracle(n, h, v, dtype, o)
+def test_against_float64_oracle(n, h, v, dtype, o, backward):
+    check_against_oracle(n, h, v, dtype, o, backward=backward)
 
 
 def test_reference_matches_oracle():
@@ -177,20 +180,87 @@ def _temp_bytes(fn, *args):
     return jax.jit(fn).lower(*args).compile().memory_analysis().temp_size_in_bytes
 
 
-@pytest.mark.parametrize("grad", [False, True])
-def test_fused_program_has_no_logits_sized_buffer(grad):
+def _programs(grad, backward):
+    """(temp bytes by (name, v), fused HLO text by v) of sum(logp) or its gradient at n=512, h=64."""
     n, h = 512, 64
-    temps = {}
+    temps, texts = {}, {}
     for v in (4096, 32768):
         d, _, _, _ = make_inputs(8, n, h, v, "bfloat16")
-        for name, fn in (("fused", rlk_xla.linear_logp), ("reference", rlk_xla.reference.linear_logp)):
+        fused = lambda *a, **k: rlk_xla.linear_logp(*a, backward=backward, **k)
+        for name, fn in (("fused", fused), ("reference", rlk_xla.reference.linear_logp)):
             f = lambda hh, ww, fn=fn, t=d["targets"]: jnp.sum(fn(hh, ww, t))
             if grad:
                 f = jax.grad(f, argnums=(0, 1))
             temps[name, v] = _temp_bytes(f, d["hidden"], d["weight"])
-            if name == "fused":  # nothing in the program is [n, v]-sized
-                text = jax.jit(f).lower(d["hidden"], d["weight"]).compile().as_text()
-                assert f"[{n},{v}]" not in text and f"[{v},{n}]" not in text
+            if name == "fused":
+                texts[v] = jax.jit(f).lower(d["hidden"], d["weight"]).compile().as_text()
+    return n, temps, texts
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_fused_program_has_no_logits_sized_buffer(grad):
+    n, temps, texts = _programs(grad, "lean")
+    for v, text in texts.items():  # nothing in the program is [n, v]-sized
+        assert f"[{n},{v}]" not in text and f"[{v},{n}]" not in text
     growth_logits = n * (32768 - 4096) * 4
     assert temps["reference", 32768] - temps["reference", 4096] >= growth_logits
     assert temps["fused", 32768] - temps["fused", 4096] < 0.05 * growth_logits, temps
+
+
+def test_fast_backward_keeps_only_the_fp16_logits():
+    """The fast strategy's one [n, v] buffer is the fp16 kept logits; a forward-only call keeps none."""
+    n, temps, texts = _programs(True, "fast")
+    for v, text in texts.items():
+        assert f"f16[{n},{v}]" in text
+        assert f"f32[{n},{v}]" not in text and f"bf16[{n},{v}]" not in text and f"[{v},{n}]" not in text
+    growth_fp32_logits = n * (32768 - 4096) * 4
+    kept_growth = n * (32768 - 4096) * 2
+    assert abs(temps["fused", 32768] - temps["fused", 4096] - kept_growth) < 0.05 * growth_fp32_logits, temps
+    _, _, fwd_texts = _programs(False, "fast")
+    assert all(f"[{n},{v}]" not in text for v, text in fwd_texts.items())
+
+
+def _fast_backward_calls(fn):
+    before = rlk_xla.route_stats()["backends"]["cpu"]["bwd_fast_calls"]
+    fn()
+    return rlk_xla.route_stats()["backends"]["cpu"]["bwd_fast_calls"] - before
+
+
+@pytest.mark.parametrize("backward,budget,fast", [("auto", None, 1), ("auto", 0, 0), ("auto", 127 * 517 * 2, 1),
+                                                  ("auto", 127 * 517 * 2 - 1, 0), ("fast", 0, 1), ("lean", None, 0)])
+def test_backward_strategy_choice(backward, budget, fast):
+    """auto keeps the logits when n * v * 2 bytes fit the budget; the route counters say which ran."""
+    d, _, _, _ = make_inputs(3, 127, 32, 517, "bfloat16")
+    f = jax.grad(lambda hh: jnp.sum(rlk_xla.linear_logp(hh, d["weight"], d["targets"], backward=backward,
+                                                        backward_memory_budget=budget)))
+    assert _fast_backward_calls(lambda: f(d["hidden"]).block_until_ready()) == fast
+
+
+def test_backward_budget_from_environment(monkeypatch):
+    d, _, _, _ = make_inputs(3, 127, 32, 517, "bfloat16")
+    monkeypatch.setenv("RLK_BACKWARD_MEMORY_BUDGET", "100")
+    f = jax.grad(lambda hh: jnp.sum(rlk_xla.linear_logp(hh, d["weight"], d["targets"])))
+    assert _fast_backward_calls(lambda: f(d["hidden"]).block_until_ready()) == 0
+
+
+@pytest.mark.parametrize("kwargs,match", [(dict(backward="quick"), "backward must be one of"),
+                                          (dict(backward_memory_budget=-1), "backward_memory_budget"),
+                                          (dict(backward_memory_budget=1.5), "backward_memory_budget")])
+def test_bad_backward_arguments(kwargs, match):
+    d, _, _, _ = make_inputs(0, 3, 8, 100, "float32")
+    with pytest.raises(ValueError, match=match):
+        rlk_xla.linear_logp(d["hidden"], d["weight"], d["targets"], **kwargs)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_fast_backward_is_bitwise_repeatable_and_close_to_lean(dtype):
+    d, kw, g, e = make_inputs(5, 127, 96, 1000, dtype, bias=True, temp="array")
+    runs = {b: [value_and_grads(lambda *a, **k: rlk_xla.linear_logp(*a, backward=b, **k), d, kw, g, e)[2]
+                for _ in range(2)] for b in ("fast", "lean")}
+    for b, (r1, r2) in runs.items():
+        for k in r1:
+            assert np.array_equal(np.asarray(r1[k], np.float32), np.asarray(r2[k], np.float32)), (b, k)
+    if dtype == "float32":  # fp32 kept logits are the exact z: both strategies agree to fp32 rounding
+        for k in runs["fast"][0]:
+            np.testing.assert_allclose(np.asarray(runs["fast"][0][k]), np.asarray(runs["lean"][0][k]), rtol=1e-5,
+                                       atol=1e-6)

@@ -29,10 +29,11 @@ def inputs(seed=0, n=96, h=64, dtype="bfloat16", real=V - 37):
     return make_inputs(seed, n, h, V, dtype, bias=True, temp="array", ignore_frac=0.15, real_vocab=real)
 
 
-def run(tp, d, kw, g, e, dp=1, wrapper=True):
+def run(tp, d, kw, g, e, dp=1, wrapper=True, backward="auto"):
     """(logp, entropy, grads) through vocab_parallel_linear_logp on a dp x tp mesh (tp=0: unsharded call)."""
     def loss(h, w, b, T):
-        opts = dict(bias=b, temperature=T, real_vocab_size=kw["real_vocab_size"], return_entropy=True)
+        opts = dict(bias=b, temperature=T, real_vocab_size=kw["real_vocab_size"], return_entropy=True,
+                    backward=backward)
         if tp == 0:
             lp, ent = rlk_xla.linear_logp(h, w, d["targets"], **opts)
         elif wrapper:
@@ -49,12 +50,13 @@ def run(tp, d, kw, g, e, dp=1, wrapper=True):
     return np.asarray(lp), np.asarray(ent), [np.asarray(x, np.float32) for x in grads]
 
 
+@pytest.mark.parametrize("backward", ["fast", "lean"])
 @pytest.mark.parametrize("tp,dp", [(2, 1), (4, 1), (8, 1), (4, 2)])
-def test_against_float64_oracle(tp, dp):
+def test_against_float64_oracle(tp, dp, backward):
     d, kw, g, e = inputs(seed=tp + 10 * dp)
-    lp, ent, (dh, dw, db, dT) = run(tp, d, kw, g, e, dp=dp)
+    lp, ent, (dh, dw, db, dT) = run(tp, d, kw, g, e, dp=dp, backward=backward)
     ref = oracle.linear_logp(d["hidden"], d["weight"], d["targets"], bias=kw["bias"], temperature=kw["temperature"],
-                             real_vocab=kw["real_vocab_size"], g=g, e=e)
+                             real_vocab=kw["real_vocab_size"], g=g, e=e, kept_fp16=backward == "fast")
     oracle.assert_values(lp, ref["logp"], "logp")
     oracle.assert_values(ent, ref["entropy"], "entropy")
     oracle.assert_grad(dh, ref["dh"], "bfloat16", "d hidden", ref["dh_abs"])

@@ -5,14 +5,10 @@ set -o pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/out}; mkdir -p $OUT
 INC="-I$PWD/include -I$PWD/cuda"
-SM90DEF=""
-if ls .whl/nvidia_cutlass-*.whl >/dev/null 2>&1 && ls cuda/*_sm90.cu >/dev/null 2>&1; then
-  python3 -m zipfile -e .whl/nvidia_cutlass-*.whl /tmp/cutlass >/dev/null
-  INC="$INC -I/tmp/cutlass/cutlass_library/source/include"; SM90DEF="-DRLK_HAVE_SM90=1"
-fi
-FLAGS="-O3 -std=c++17 --expt-relaxed-constexpr $INC $SM90DEF -lineinfo"
+FLAGS="-O3 -std=c++17 --expt-relaxed-constexpr $INC -DRLK_HAVE_SM90=1 -lineinfo"
 B=/tmp/rlkbuild; mkdir -p $B
-objs=""
+objs="$B/blas.o"
+nvcc $FLAGS -c cuda/blas.cc -o $B/blas.o &
 for f in cuda/*.cu; do
   case $f in *_test.cu) continue;; esac
   o=$B/$(basename $f .cu).o; objs="$objs $o"
@@ -23,7 +19,12 @@ for f in cuda/*.cu; do
 done
 nvcc $FLAGS -gencode=arch=compute_90,code=sm_90 -c cuda/linear_logp_cuda_test.cu -o $B/test.o &
 wait
-nvcc -o $B/lptest $B/test.o $objs -lcudart 2>&1 | tee $OUT/build.log || { echo BUILD FAILED; exit 1; }
+nvcc -o $B/lptest $B/test.o $objs -lcudart -ldl 2>&1 | tee $OUT/build.log || { echo BUILD FAILED; exit 1; }
+# The backward's GEMMs are cuBLAS's, loaded at run time (cuda/blas.h): the one jax's CUDA plugin ships.
+export RLK_CUBLAS_PATH=${RLK_CUBLAS_PATH:-$(python3 -c "
+import glob, sys
+print(next(iter(sorted(f for p in sys.path for f in glob.glob(p + '/nvidia/*/lib/libcublas.so.1*'))), ''))")}
+echo "cuBLAS: $RLK_CUBLAS_PATH"
 echo "built $(date)"
 for step in "$@"; do
   case $step in

@@ -33,6 +33,12 @@ enum class DType : int32_t { kF32 = 0, kF16 = 1, kBF16 = 2 };
 
 inline size_t dtype_bytes(DType t) { return t == DType::kF32 ? 4 : 2; }
 
+// Kept logits (the fast backward's input, see FwdArgs::logits): fp16 for 16-bit operands — fp16
+// rather than bf16 for its three more mantissa bits, |z| <= 65504 (larger values saturate) — and
+// fp32 for fp32 operands.
+inline DType logits_dtype(DType t) { return t == DType::kF32 ? DType::kF32 : DType::kF16; }
+constexpr float kMaxKeptLogit = 65504.f;
+
 // One call: n rows of hidden [n, h] against this shard's v vocab rows of weight [v, h].
 struct Problem {
   int64_t n = 0;             // rows (tokens)
@@ -124,7 +130,8 @@ RLK_HD float dz_of(float z, bool is_target, float lse, float ent, float g, float
 //        frontend can also mask padding columns through it, whatever the dtype), targets [n] int32,
 //        inv_temp [n] f32
 //   out: stats [n, num_chunks, kStatWidth] f32; target_logit [n] f32 = z_t when the target is a
-//        real id of this shard, else 0 (so a sum over shards is exact).
+//        real id of this shard, else 0 (so a sum over shards is exact); logits (null unless the
+//        fast backward will follow) [n, v] in logits_dtype: every z, clamped to +-kMaxKeptLogit.
 struct FwdArgs {
   const void* hidden = nullptr;
   const void* weight = nullptr;
@@ -133,6 +140,7 @@ struct FwdArgs {
   const float* inv_temp = nullptr;
   float* stats = nullptr;
   float* target_logit = nullptr;
+  void* logits = nullptr;
 };
 
 // Combine: all chunks of the global vocab (k of them) -> logp, lse, entropy [n] f32.
@@ -152,6 +160,9 @@ struct CombineArgs {
 //   out: dhidden [n, h] f32 (this shard's partial sum over its vocab), dweight [v, h] dtype,
 //        dbias [v] f32 (null when !has_bias), dzz [n] f32 = sum_j dz_j z_j over this shard
 //        (the temperature gradient is -inv_temp * dzz summed over shards).
+//   Strategy: with `logits` (the forward's kept logits) the backward reads z instead of
+//   recomputing it ("fast"; the CUDA backend overwrites the buffer with dlogit, so it serves one
+//   backward); without, it recomputes z tile by tile ("lean").
 struct BwdArgs {
   const void* hidden = nullptr;
   const void* weight = nullptr;
@@ -162,6 +173,7 @@ struct BwdArgs {
   const float* entropy = nullptr;
   const float* g = nullptr;
   const float* e = nullptr;
+  void* logits = nullptr;
   float* dhidden = nullptr;
   void* dweight = nullptr;
   float* dbias = nullptr;
@@ -172,10 +184,13 @@ struct BwdArgs {
 using Status = const char*;
 
 // Which backends exist and count their calls/tokens (incremented by the handlers that run them).
-enum class Backend : int32_t { kCpu = 0, kCudaSm90 = 1, kCudaPortable = 2, kCount = 3 };
+// The CUDA forward runs on kCudaSm90 or kCudaPortable; the CUDA backward on kCudaBlas (its GEMMs
+// are cuBLAS's, see cuda/linear_logp_bwd.cu).
+enum class Backend : int32_t { kCpu = 0, kCudaSm90 = 1, kCudaPortable = 2, kCudaBlas = 3, kCount = 4 };
 const char* backend_name(Backend b);
-struct RouteCounts { int64_t fwd_calls, fwd_tokens, bwd_calls, bwd_tokens; };
-void count_call(Backend b, bool backward, int64_t tokens);  // thread-safe
+struct RouteCounts { int64_t fwd_calls, fwd_tokens, bwd_calls, bwd_tokens, bwd_fast_calls; };
+// Thread-safe. `fast`: a backward that read the kept logits.
+void count_call(Backend b, bool backward, int64_t tokens, bool fast = false);
 RouteCounts read_counts(Backend b);
 void reset_counts();
 

@@ -1,0 +1,47 @@
+// The gradient GEMMs of the CUDA backward run on cuBLAS, bound at run time.
+//
+// Why cuBLAS and not our own wgmma kernels (cuda/linear_logp_sm90.cu): the backward's two
+// gradient GEMMs (dH = dlogit W, dW = dlogit^T H) are plain GEMMs with no fused epilogue left to
+// gain (dlogit is formed by one memory-bound pass before them), and on the H200 our own all-K-major
+// wgmma GEMMs plus the transposes they need ran at ~75% of cuBLAS (benchmarks/cuda/NOTES.md).
+// cuBLAS takes the transposed layouts directly.
+//
+// Why bound at run time (dlopen), not linked: every process that runs these kernels already has
+// cuBLAS loaded — jax's CUDA plugin and torch both ship and load it — so both frontends call the
+// very same library through the very same code here, and the build needs no cuBLAS headers or
+// libraries (CI builds with a bare nvcc). The library already in the process is preferred;
+// otherwise the usual soname search; RLK_CUBLAS_PATH names a file explicitly.
+//
+// Determinism: cuBLAS gives the same bits on every run for the same shapes, GPU and library
+// version when its workspace is fixed; each call gets kWorkspaceBytes of the caller's scratch and
+// reduced-precision split-K reductions are disallowed.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "rlk/linear_logp.h"
+
+namespace rlk::cuda::blas {
+
+constexpr size_t kWorkspaceBytes = size_t(32) << 20;  // cuBLAS's recommendation for Hopper
+
+// A row-major matrix view: `rows` x `cols`, row stride `ld` elements.
+struct Mat {
+  const void* ptr;
+  DType dtype;
+  int64_t rows, cols, ld;
+};
+
+// C[m, n] = A' B' + beta C, with A' = A or A^T (`ta`), B' = B or B^T (`tb`), row-major, fp32
+// accumulation, C in `c_dtype` (row stride ldc). Asynchronous on `stream`; the handle of the
+// current device is created on first use (before any graph capture; see prepare()).
+Status gemm(cudaStream_t stream, void* workspace, const Mat& A, bool ta, const Mat& B, bool tb, void* C,
+            DType c_dtype, int64_t ldc, float beta);
+
+// Load cuBLAS and create device `device`'s handle now (outside any CUDA-graph capture).
+Status prepare(int device);
+
+}  // namespace rlk::cuda::blas

@@ -1,0 +1,304 @@
+// The CUDA backward, two strategies over the same three pieces:
+//   dlogit   one memory-bound pass over z: dlogit = dz * inv_temp (dtype), dzz per row (one block
+//            per row, fixed reduction tree) and, with a bias, db by column sums in row order;
+//   dH = dlogit W (fp32 out) and dW = dlogit^T H (dtype out): cuBLAS GEMMs (blas.h says why).
+// fast  z comes from the forward's kept logits [n, v] (FwdArgs::logits); dlogit overwrites them in
+//       place (same element size: fp16 -> bf16/fp16, fp32 -> fp32). Work: the two gradient GEMMs
+//       plus ~3 bytes moved per logit; extra memory: the kept logits.
+// lean  z is recomputed per (vocab piece, row pass) by a cuBLAS GEMM into an fp32 scratch tile;
+//       dH accumulates over pieces in fp32 (piece order), dW over passes in an fp32 piece
+//       accumulator (pass order). Work: three GEMMs; workspace bounded (lean_layout) whatever n, v.
+// No atomics: every sum has one order fixed by the shapes, so repeated runs give the same bits.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include "blas.h"
+#include "linear_logp_cuda.h"
+#include "lp_gemm_portable.cuh"  // to_f / from_f
+
+namespace rlk::cuda {
+namespace {
+
+using detail::from_f;
+using detail::to_f;
+
+#define RLK_CHECK_LAUNCH(msg)                          \
+  do {                                                 \
+    if (cudaGetLastError() != cudaSuccess) return msg; \
+  } while (0)
+
+constexpr int kRowThreads = 256;  // dlogit: one block per row
+constexpr int kVec = 8;           // columns per thread step (16-byte loads of 2-byte elements)
+
+// ---- dlogit -----------------------------------------------------------------------------------
+struct DlogitParams {
+  const void* z;  int64_t ldz;  // [rows, cols] ZT: kept logits, or (raw) h.W still without bias and 1/T
+  bool raw;
+  void* dlog;     int64_t ldd;  // [rows, cols] dtype; fast: the same memory as z
+  int64_t cols;
+  int64_t col0;                 // global id of column 0
+  int64_t real_vocab, ignore_index;
+  const float* bias;            // raw only: of column 0, or null
+  const int32_t* targets;       // per row (row 0 = this launch's first row), as are the next six
+  const float *inv_temp, *lse, *ent, *g, *e;  // ent, e may be null
+  float* dzz;                   // per row, or null
+  bool dzz_add;                 // accumulate onto dzz (pieces after the first)
+  bool vec;                     // z and dlog rows are 16-byte aligned with ldz, ldd % 8 == 0
+};
+
+template <typename T> __device__ __forceinline__ void load_vec(const T* p, float* x) {
+  if constexpr (sizeof(T) == 2) {
+    const uint4 u = *reinterpret_cast<const uint4*>(p);
+    const T* v = reinterpret_cast<const T*>(&u);
+#pragma unroll
+    for (int q = 0; q < kVec; ++q) x[q] = to_f(v[q]);
+  } else {
+    const float4 a = reinterpret_cast<const float4*>(p)[0], b = reinterpret_cast<const float4*>(p)[1];
+    x[0] = a.x; x[1] = a.y; x[2] = a.z; x[3] = a.w; x[4] = b.x; x[5] = b.y; x[6] = b.z; x[7] = b.w;
+  }
+}
+template <typename T> __device__ __forceinline__ void store_vec(T* p, const float* x) {
+  if constexpr (sizeof(T) == 2) {
+    uint4 u;
+    T* v = reinterpret_cast<T*>(&u);
+#pragma unroll
+    for (int q = 0; q < kVec; ++q) v[q] = from_f<T>(x[q]);
+    *reinterpret_cast<uint4*>(p) = u;
+  } else {
+    reinterpret_cast<float4*>(p)[0] = make_float4(x[0], x[1], x[2], x[3]);
+    reinterpret_cast<float4*>(p)[1] = make_float4(x[4], x[5], x[6], x[7]);
+  }
+}
+
+// One block per row. A thread reads its columns before writing them, so dlog may alias z; no
+// __restrict__ on these two.
+template <typename ZT, typename T>
+__global__ void __launch_bounds__(kRowThreads) dlogit_kernel(DlogitParams q) {
+  __shared__ float red[kRowThreads];
+  const int64_t row = blockIdx.x;
+  const int64_t t = q.targets[row];
+  const bool active = classify_target(t, q.real_vocab, q.ignore_index) == TargetKind::kValid;
+  const float it = q.inv_temp[row];
+  const float lse = active ? q.lse[row] : 0.f, g = active ? q.g[row] : 0.f;
+  const float ent = active && q.ent ? q.ent[row] : 0.f, e = active && q.e ? q.e[row] : 0.f;
+  const ZT* zr = static_cast<const ZT*>(q.z) + row * q.ldz;
+  T* dr = static_cast<T*>(q.dlog) + row * q.ldd;
+  float dzz = 0.f;
+  for (int64_t c0 = int64_t(threadIdx.x) * kVec; c0 < q.cols; c0 += int64_t(kRowThreads) * kVec) {
+    const bool full = q.vec && c0 + kVec <= q.cols;
+    float x[kVec];
+    if (full) load_vec(zr + c0, x);
+    else
+#pragma unroll
+      for (int k = 0; k < kVec; ++k) x[k] = c0 + k < q.cols ? to_f(zr[c0 + k]) : 0.f;
+#pragma unroll
+    for (int k = 0; k < kVec; ++k) {
+      const int64_t col = c0 + k;
+      float z = x[k];
+      if (q.raw) z = (z + (q.bias && col < q.cols ? q.bias[col] : 0.f)) * it;
+      // padding (id past the real vocab, or a -inf logit from a bias mask) gets no gradient
+      const bool live = active && col < q.cols && q.col0 + col < q.real_vocab && z > -INFINITY;
+      const float dz = live ? dz_of(z, q.col0 + col == t, lse, ent, g, e) : 0.f;
+      if (live) dzz = fmaf(dz, z, dzz);
+      x[k] = dz * it;
+    }
+    if (full) store_vec(dr + c0, x);
+    else
+#pragma unroll
+      for (int k = 0; k < kVec; ++k)
+        if (c0 + k < q.cols) dr[c0 + k] = from_f<T>(x[k]);
+  }
+  if (!q.dzz) return;
+  red[threadIdx.x] = dzz;  // fixed-shape tree: the same order for every row and every run
+  __syncthreads();
+  for (int s = kRowThreads / 2; s > 0; s >>= 1) {
+    if (int(threadIdx.x) < s) red[threadIdx.x] += red[threadIdx.x + s];
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) q.dzz[row] = (q.dzz_add ? q.dzz[row] : 0.f) + red[0];
+}
+
+// db[c] (+)= sum over rows, in row order, of dlog[r, c]: one thread per column.
+template <typename T>
+__global__ void colsum_kernel(const T* __restrict__ dlog, int64_t ldd, int64_t rows, int64_t cols,
+                              float* __restrict__ db, bool add) {
+  const int64_t c = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (c >= cols) return;
+  float s = 0.f;
+  for (int64_t r = 0; r < rows; ++r) s += to_f(dlog[r * ldd + c]);
+  db[c] = (add ? db[c] : 0.f) + s;
+}
+
+template <typename T>
+__global__ void to_dtype_kernel(const float* __restrict__ in, T* __restrict__ out, int64_t count) {
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i < count) out[i] = from_f<T>(in[i]);
+}
+
+unsigned blocks_of(int64_t count, int threads) { return unsigned((count + threads - 1) / threads); }
+
+bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
+
+// Rows [r0, r0 + rows) of a: the per-row inputs of dlogit_kernel.
+DlogitParams row_params(const Problem& p, const BwdArgs& a, int64_t r0) {
+  DlogitParams q{};
+  q.real_vocab = p.real_vocab;
+  q.ignore_index = p.ignore_index;
+  q.targets = a.targets + r0;
+  q.inv_temp = a.inv_temp + r0;
+  q.lse = a.lse + r0;
+  q.g = a.g + r0;
+  q.ent = p.with_entropy && a.entropy ? a.entropy + r0 : nullptr;
+  q.e = p.with_entropy && a.e ? a.e + r0 : nullptr;
+  q.dzz = a.dzz ? a.dzz + r0 : nullptr;
+  return q;
+}
+
+template <typename ZT, typename T>
+Status launch_dlogit(DlogitParams q, int64_t rows, cudaStream_t st) {
+  q.vec = q.ldz % kVec == 0 && q.ldd % kVec == 0 && aligned16(q.z) && aligned16(q.dlog);
+  if (rows > 0) dlogit_kernel<ZT, T><<<unsigned(rows), kRowThreads, 0, st>>>(q);
+  RLK_CHECK_LAUNCH("rlk cuda: dlogit kernel launch failed");
+  return nullptr;
+}
+
+template <typename T>
+Status launch_colsum(const void* dlog, int64_t ldd, int64_t rows, int64_t cols, float* db, bool add, cudaStream_t st) {
+  colsum_kernel<T><<<blocks_of(cols, 256), 256, 0, st>>>(static_cast<const T*>(dlog), ldd, rows, cols, db, add);
+  RLK_CHECK_LAUNCH("rlk cuda: db kernel launch failed");
+  return nullptr;
+}
+
+// ---- fast ---------------------------------------------------------------------------------------
+template <typename T>
+Status backward_fast(const Problem& p, const BwdArgs& a, Workspace ws, cudaStream_t st) {
+  using ZT = std::conditional_t<sizeof(T) == 4, float, __half>;  // logits_dtype
+  DlogitParams q = row_params(p, a, 0);
+  q.z = a.logits; q.ldz = p.v;
+  q.dlog = a.logits; q.ldd = p.v;
+  q.cols = p.v; q.col0 = p.vocab_start;
+  if (Status s = launch_dlogit<ZT, T>(q, p.n, st)) return s;
+  if (p.has_bias && a.dbias)
+    if (Status s = launch_colsum<T>(a.logits, p.v, p.n, p.v, a.dbias, false, st)) return s;
+  const blas::Mat D{a.logits, p.dtype, p.n, p.v, p.v};
+  const blas::Mat W{a.weight, p.dtype, p.v, p.h, p.h}, H{a.hidden, p.dtype, p.n, p.h, p.h};
+  if (Status s = blas::gemm(st, ws.ptr, D, false, W, false, a.dhidden, DType::kF32, p.h, 0.f)) return s;
+  return blas::gemm(st, ws.ptr, D, true, H, false, a.dweight, p.dtype, p.h, 0.f);
+}
+
+// ---- lean ---------------------------------------------------------------------------------------
+constexpr size_t kLeanTileBytes = size_t(96) << 20;  // z (fp32) + dlogit tiles of one (piece, pass)
+
+struct LeanLayout {
+  int64_t P, R;  // piece columns, rows per pass
+  size_t off_z, off_dlog, off_dwacc, total;
+};
+
+// Depends on the shapes and dtype only. Total <= 96 + 64 + 32 MB whatever n and v.
+LeanLayout lean_layout(const Problem& p) {
+  LeanLayout L{};
+  int64_t P = ((int64_t(16) << 20) / p.h) / 256 * 256;  // the fp32 dW piece accumulator <= 64 MB
+  P = P < 256 ? 256 : (P > 8192 ? 8192 : P);
+  const int64_t v256 = (p.v + 255) / 256 * 256;
+  L.P = P < v256 ? P : v256;
+  const size_t per_row = size_t(L.P) * (4 + dtype_bytes(p.dtype));
+  int64_t rmax = int64_t(kLeanTileBytes / per_row) / 128 * 128;
+  if (rmax < 128) rmax = 128;
+  const int64_t passes = (p.n + rmax - 1) / rmax;
+  const int64_t per = passes > 0 ? (p.n + passes - 1) / passes : 1;
+  L.R = (per + 127) / 128 * 128;  // equal passes: a fuller last wave
+  auto al = [](size_t x) { return (x + 255) & ~size_t(255); };
+  size_t o = blas::kWorkspaceBytes;  // cuBLAS's workspace first
+  L.off_z = o;    o += al(size_t(L.R) * L.P * 4);
+  L.off_dlog = o; o += al(size_t(L.R) * L.P * dtype_bytes(p.dtype));
+  L.off_dwacc = o;
+  if (p.n > L.R) o += al(size_t(L.P) * p.h * 4);
+  L.total = o;
+  return L;
+}
+
+template <typename T>
+Status backward_lean(const Problem& p, const BwdArgs& a, Workspace ws, cudaStream_t st) {
+  const LeanLayout L = lean_layout(p);
+  unsigned char* base = static_cast<unsigned char*>(ws.ptr);
+  float* z = reinterpret_cast<float*>(base + L.off_z);
+  void* dlog = base + L.off_dlog;
+  float* dwacc = reinterpret_cast<float*>(base + L.off_dwacc);
+  const size_t eb = dtype_bytes(p.dtype);
+  const unsigned char* hid = static_cast<const unsigned char*>(a.hidden);
+  const unsigned char* wgt = static_cast<const unsigned char*>(a.weight);
+  unsigned char* dw = static_cast<unsigned char*>(a.dweight);
+  const int64_t npass = (p.n + L.R - 1) / L.R;
+  for (int64_t p0 = 0; p0 < p.v; p0 += L.P) {
+    const int64_t pw = p.v - p0 < L.P ? p.v - p0 : L.P;
+    const blas::Mat Wp{wgt + p0 * p.h * eb, p.dtype, pw, p.h, p.h};
+    for (int64_t pass = 0; pass < npass; ++pass) {
+      const int64_t r0 = pass * L.R, rn = p.n - r0 < L.R ? p.n - r0 : L.R;
+      const blas::Mat Hp{hid + r0 * p.h * eb, p.dtype, rn, p.h, p.h};
+      // z[rn, pw] = H[pass] W[piece]^T   (fp32; bias and 1/T are applied by dlogit_kernel)
+      if (Status s = blas::gemm(st, ws.ptr, Hp, false, Wp, true, z, DType::kF32, L.P, 0.f)) return s;
+      DlogitParams q = row_params(p, a, r0);
+      q.z = z; q.ldz = L.P;
+      q.dlog = dlog; q.ldd = L.P;
+      q.cols = pw; q.col0 = p.vocab_start + p0;
+      q.raw = true;
+      q.bias = p.has_bias ? a.bias + p0 : nullptr;
+      q.dzz_add = p0 > 0;
+      if (Status s = launch_dlogit<float, T>(q, rn, st)) return s;
+      if (p.has_bias && a.dbias)
+        if (Status s = launch_colsum<T>(dlog, L.P, rn, pw, a.dbias + p0, pass > 0, st)) return s;
+      const blas::Mat D{dlog, p.dtype, rn, pw, L.P};
+      // dH[pass] (+)= dlogit W[piece], accumulated over pieces in fp32
+      if (Status s = blas::gemm(st, ws.ptr, D, false, Wp, false, a.dhidden + r0 * p.h, DType::kF32, p.h,
+                                p0 > 0 ? 1.f : 0.f))
+        return s;
+      // dW[piece] (+)= dlogit^T H[pass]: straight to dtype with one pass, else through fp32
+      if (npass == 1) {
+        if (Status s = blas::gemm(st, ws.ptr, D, true, Hp, false, dw + p0 * p.h * eb, p.dtype, p.h, 0.f)) return s;
+        continue;
+      }
+      if (Status s = blas::gemm(st, ws.ptr, D, true, Hp, false, dwacc, DType::kF32, p.h, pass > 0 ? 1.f : 0.f))
+        return s;
+      if (pass == npass - 1) {
+        to_dtype_kernel<T><<<blocks_of(pw * p.h, 256), 256, 0, st>>>(dwacc, reinterpret_cast<T*>(dw + p0 * p.h * eb),
+                                                                      pw * p.h);
+        RLK_CHECK_LAUNCH("rlk cuda: dW conversion launch failed");
+      }
+    }
+  }
+  return nullptr;
+}
+
+template <typename T>
+Status backward_t(const Problem& p, const BwdArgs& a, Workspace ws, cudaStream_t st) {
+  if (p.n == 0) {  // no rows: dW and db are zero
+    if (cudaMemsetAsync(a.dweight, 0, size_t(p.v) * p.h * sizeof(T), st) != cudaSuccess ||
+        (p.has_bias && a.dbias && cudaMemsetAsync(a.dbias, 0, size_t(p.v) * 4, st) != cudaSuccess))
+      return "rlk cuda backward: memset failed";
+    return nullptr;
+  }
+  return a.logits ? backward_fast<T>(p, a, ws, st) : backward_lean<T>(p, a, ws, st);
+}
+
+}  // namespace
+
+size_t backward_workspace_bytes(const Problem& p, bool fast) {
+  if (p.n <= 0 || p.v <= 0 || p.h <= 0) return 0;
+  return fast ? blas::kWorkspaceBytes : lean_layout(p).total;
+}
+
+Status backward(const Problem& p, const BwdArgs& a, Workspace ws, cudaStream_t stream) {
+  if (p.n < 0 || p.h <= 0 || p.v <= 0) return "rlk cuda: bad problem shape";
+  const size_t need = backward_workspace_bytes(p, a.logits != nullptr);
+  if (ws.bytes < need || (need && !ws.ptr)) return "rlk cuda: backward workspace too small";
+  switch (p.dtype) {
+    case DType::kF32: return backward_t<float>(p, a, ws, stream);
+    case DType::kF16: return backward_t<__half>(p, a, ws, stream);
+    case DType::kBF16: return backward_t<__nv_bfloat16>(p, a, ws, stream);
+  }
+  return "rlk cuda: bad dtype";
+}
+
+Status prepare_backward(int device) { return blas::prepare(device); }
+
+}  // namespace rlk::cuda
