@@ -22,7 +22,7 @@ Backend forward_backend(const Problem& p);
 
 size_t forward_workspace_bytes(const Problem& p);
 // `fast`: the backward reads kept logits (BwdArgs::logits); else it recomputes them (lean, at
-// most 192 MB whatever n and v).
+// most 240 MB whatever n and v).
 size_t backward_workspace_bytes(const Problem& p, bool fast);
 
 // `ran` (may be null) receives the backend that ran.
