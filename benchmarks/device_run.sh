@@ -2,9 +2,9 @@
 # On a GPU machine (the device tool; see docs/benchmarks.md): build this checkout into the machine's
 # python and run the steps named on the command line, logs and results under $OUT.
 #   build    install carried wheels (.whl/: nvidia-cutlass, liger-kernel, cut-cross-entropy) and build
-#   test     pytest -m gpu (JAX and torch on one GPU)
+#   test     pytest -m gpu (JAX and torch on one GPU); jaxtest: the JAX GPU tests only
 #   check    python -m rlk_xla check
-#   bench    benchmarks/bench_gpu.py over every shape of DESIGN.md section 6
+#   bench    benchmarks/bench_gpu.py over every shape of DESIGN.md section 6 (env BENCH_ARGS: more options)
 #   tp       benchmarks/tp_gpu.py (JAX, all GPUs) and tp_torch.py (torchrun, NCCL), cross-frontend check
 set -o pipefail
 cd "$(dirname "$0")/.."
@@ -31,7 +31,12 @@ for step in "$@"; do
     check)
       timeout 120 python3 -m rlk_xla check 2>/dev/null | tee -a "$LOG" ;;
     bench)
-      timeout ${BENCH_TIMEOUT:-540} python3 benchmarks/bench_gpu.py --out "$OUT" 2>/tmp/rlk-out/bench.err | tail -n 40 | tee -a "$LOG" ;;
+      timeout ${BENCH_TIMEOUT:-540} python3 benchmarks/bench_gpu.py --out "$OUT" ${BENCH_ARGS:-} 2>/tmp/rlk-out/bench.err \
+        | tail -n 60 | tee -a "$LOG"
+      tail -n 20 /tmp/rlk-out/bench.err >> "$LOG" ;;
+    jaxtest)
+      timeout ${TEST_TIMEOUT:-400} python3 -m pytest -q -m gpu tests/test_gpu_jax.py -p no:cacheprovider 2>&1 | tail -n 40 | tee -a "$LOG"
+      ;;
     tp)
       timeout ${TP_TIMEOUT:-240} python3 benchmarks/tp_gpu.py --out /tmp/rlk-out 2>&1 | tee -a "$LOG"
       timeout ${TP_TIMEOUT:-240} torchrun --nproc_per_node "$(nvidia-smi -L | wc -l)" benchmarks/tp_torch.py --out /tmp/rlk-out 2>&1 \
