@@ -1,77 +1,92 @@
 """Side-by-side GPU benchmark of linear_logp, one process, every shape of DESIGN.md section 6.
 
-Per shape, in the same run: the cuBLAS bf16 GEMM of the same shape (the floor, torch matmul), the
-JAX reference (materialized logits), rlk_xla (fused), and the torch rows: native torch,
-torch_bridge, Liger FLCE and Cut Cross-Entropy when installed. Forward and forward+backward
-(gradients of sum(logp * g) w.r.t. hidden and weight), median times, peak extra memory, and the
-logp error against float64 on sampled rows.
+Per shape, in the same run: the cuBLAS bf16 GEMM of the same shape (the floor, torch matmul), and
+every path of PATHS that is installed:
+  rlk_xla_fast, rlk_xla_lean          this project through JAX, backward="fast" (keeps the fp16
+                                      logits of the forward) or backward="lean" (recomputes them)
+  torch_bridge_fast, torch_bridge_lean  the same kernels through PyTorch
+  jax_ref, jax_chunked, tokamax       JAX peers (materialized logits; lax.map + remat; Tokamax)
+  torch_native, liger, cce            torch peers (materialized logits; Liger FLCE; Cut Cross-Entropy)
+The fast and lean paths of one frontend run the same forward: it is measured once and reported
+on both rows.
 
-    python benchmarks/bench_gpu.py --out docs            # all shapes -> docs/benchmarks.{json,md,png}
-    python benchmarks/bench_gpu.py --shapes T3,L16k --out $OUT
+Per path: forward and forward+backward (gradients of sum(logp * g) w.r.t. hidden and weight)
+median times, peak extra memory of forward+backward, the logp error against float64 on 256
+sampled rows, and the dH and dW errors against float64 on the first 512 rows (full vocab).
+Results go to OUT/benchmarks.json after every shape, with the table and plots of plot_report.py.
 
-Times: torch rows with triton.testing.do_bench (median, CUDA events); JAX rows with wall time
-around block_until_ready (median) as in ../shared/anchors. Memory: torch peak allocated delta;
-JAX: XLA's compiled temp bytes.
+    python benchmarks/bench_gpu.py --out docs
+    python benchmarks/bench_gpu.py --shapes T3,L16k --paths rlk_xla_fast,rlk_xla_lean,liger --out $OUT
+    python benchmarks/bench_gpu.py --skip-accuracy     # no float64 gradients (faster)
+
+Times: torch paths with triton.testing.do_bench (median, CUDA events); JAX paths with wall time
+around block_until_ready (median of 10) as in ../shared/anchors. Memory: torch: the peak allocated
+during one fwd+bwd step beyond what was live before it (the inputs, and the previous step's
+gradients, which the step frees before making its own); JAX: XLA's compiled temp bytes of the
+jitted fwd+bwd (arguments and outputs excluded).
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
+import importlib.metadata
 import json
 import os
 import sys
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # JAX and torch share the GPU here
 
-import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from triton.testing import do_bench  # noqa: E402
 
-ORDER = ("rlk_xla", "torch_bridge", "jax_ref", "jax_chunked", "tokamax", "torch_native", "liger", "cce")
+import plot_report  # noqa: E402  (benchmarks/, next to this script)
+
+PATHS = ("rlk_xla_fast", "rlk_xla_lean", "torch_bridge_fast", "torch_bridge_lean",
+         "jax_ref", "jax_chunked", "tokamax", "torch_native", "liger", "cce")
+JAX_PATHS = {"rlk_xla_fast", "rlk_xla_lean", "jax_ref", "jax_chunked", "tokamax"}
 SHAPES = {"T3": (6827, 2048, 75968), "H200-pub": (4096, 4096, 128256), "L16k": (16384, 4096, 151936),
           "T3-tp1": (6827, 2048, 151936), "T1": (796, 2048, 75968), "T2": (1820, 2048, 75968),
           "Q8B-tp4": (4096, 4096, 37984)}
+LOGP_ROWS = 256  # sampled rows for the logp error
+GRAD_ROWS = 512  # leading rows for the dH / dW errors
+VERSIONED = ("jax", "jaxlib", "torch", "triton", "liger-kernel", "cut-cross-entropy", "tokamax", "rlk_xla")
 
 
-def jax_rows(h_t, w_t, t_t, g_t, iters=10):
+# ---- the paths: name -> (forward fn, fwd+bwd fn), each (hidden, weight, targets) -> logp [n] f32 ----
+
+def fused_paths(prefix, linear_logp, **kw):
+    """The fast and lean backward of one frontend's fused op, sharing one forward function."""
+    def strategy(backward):
+        return lambda h, w, t: linear_logp(h, w, t, mode="strict", backward=backward, **kw)
+    forward = strategy("lean")  # the lean forward stores nothing for the backward: the bare forward
+    return {f"{prefix}_{b}": (forward, strategy(b)) for b in ("fast", "lean")}
+
+
+def jax_chunked(h, w, t, chunk=1024):
+    """The anchors' chunked baseline: lax.map over row chunks of the reference, with remat."""
     import jax
     import jax.numpy as jnp
 
     import rlk_xla
+    n = h.shape[0]
+    pad = (-n) % chunk
+    hp, tp = jnp.pad(h, ((0, pad), (0, 0))), jnp.pad(t, (0, pad))
+    one = jax.checkpoint(lambda a: rlk_xla.reference.linear_logp(a[0], w, a[1]))
+    return jax.lax.map(one, (hp.reshape(-1, chunk, h.shape[1]), tp.reshape(-1, chunk))).reshape(-1)[:n]
 
-    h, w, t, g = (jax.dlpack.from_dlpack(x.detach()) for x in (h_t, w_t, t_t.int(), g_t))
 
-    from rlk_xla.cli import time_ms
-    timeit = lambda f, *a: time_ms(f, *a, iters=iters)
-
-    def chunked(h, w, t, chunk=1024):  # the anchors' chunked baseline: lax.map over rows + remat
-        n = h.shape[0]
-        pad = (-n) % chunk
-        hp, tp_ = jnp.pad(h, ((0, pad), (0, 0))), jnp.pad(t, (0, pad))
-        one = jax.checkpoint(lambda a: rlk_xla.reference.linear_logp(a[0], w, a[1]))
-        return jax.lax.map(one, (hp.reshape(-1, chunk, h.shape[1]), tp_.reshape(-1, chunk))).reshape(-1)[:n]
-
-    paths = [("jax_ref", rlk_xla.reference.linear_logp), ("jax_chunked", chunked),
-             ("rlk_xla", lambda *a: rlk_xla.linear_logp(*a, mode="strict"))]
+def jax_paths():
+    import rlk_xla
+    paths = fused_paths("rlk_xla", rlk_xla.linear_logp)
+    paths["jax_ref"] = (rlk_xla.reference.linear_logp,) * 2
+    paths["jax_chunked"] = (jax_chunked,) * 2
     tokamax = _tokamax()
     if tokamax is not None:
         # tokamax takes the head as [H, V]: the transpose (about 0.1 ms here) is inside its timing
-        paths.append(("tokamax", lambda h, w, t: -tokamax.linear_softmax_cross_entropy_loss(
-            h, t, w.T, reduction="none")))
-    out = {}
-    for label, fn in paths:
-        fwd = jax.jit(lambda h, w, fn=fn: fn(h, w, t))
-        fb = jax.jit(jax.grad(lambda h, w, fn=fn: jnp.sum(fn(h, w, t) * g), argnums=(0, 1)))
-        try:
-            out[label] = dict(fwd_ms=timeit(fwd, h, w), fb_ms=timeit(fb, h, w),
-                              fb_mem_mb=fb.lower(h, w).compile().memory_analysis().temp_size_in_bytes / 2 ** 20,
-                              logp=torch.from_dlpack(fwd(h, w)))
-        except Exception as e:  # report and keep going: one broken path must not hide the rest
-            out[label] = dict(error=repr(e)[:300])
-    rlk_xla.reset_route_stats()
-    jax.block_until_ready(jax.jit(lambda h, w: rlk_xla.linear_logp(h, w, t, mode="strict"))(h, w))
-    out["rlk_xla"]["route"] = ",".join(k for k, v in rlk_xla.route_stats()["backends"].items() if v["fwd_calls"])
-    return out
+        fn = lambda h, w, t: -tokamax.linear_softmax_cross_entropy_loss(h, t, w.T, reduction="none")  # noqa: E731
+        paths["tokamax"] = (fn, fn)
+    return paths
 
 
 def _tokamax():
@@ -86,11 +101,15 @@ def _tokamax():
         return None
 
 
-def torch_fns():
-    fns = {"torch_native": lambda h, w, t: torch.log_softmax((h @ w.t()).float(), -1).gather(-1, t[:, None])[:, 0]}
+def torch_native(h, w, t):
+    return torch.log_softmax((h @ w.t()).float(), -1).gather(-1, t[:, None])[:, 0]
+
+
+def torch_paths():
+    paths = {"torch_native": (torch_native,) * 2}
     try:
         import torch_bridge
-        fns["torch_bridge"] = lambda h, w, t: torch_bridge.linear_logp(h, w, t, mode="strict", validate_targets=False)
+        paths.update(fused_paths("torch_bridge", torch_bridge.linear_logp, validate_targets=False))
     except ImportError as e:
         print("torch_bridge unavailable:", e)
     try:
@@ -99,157 +118,258 @@ def torch_fns():
         def liger(h, w, t):
             out = F.apply(h, w, t, None, None, -100, 0.0, 0.0, "none")
             return -(out[0] if isinstance(out, tuple) else out)
-        fns["liger"] = liger
+        paths["liger"] = (liger, liger)
     except ImportError as e:
         print("liger unavailable:", e)
     try:
         from cut_cross_entropy import linear_cross_entropy
-        fns["cce"] = lambda h, w, t: -linear_cross_entropy(h, w, t, reduction="none", filter_eps=None)
+        fn = lambda h, w, t: -linear_cross_entropy(h, w, t, reduction="none", filter_eps=None)  # noqa: E731
+        paths["cce"] = (fn, fn)
     except ImportError as e:
         print("cce unavailable:", e)
-    return fns
+    return paths
 
 
-def torch_row(fn, h, w, t, g):
-    def run(train):
-        if train:
-            h.grad = None
-            w.grad = None
+# ---- the frontends: how a path is timed, weighed and differentiated ----
+
+class Torch:
+    name = "torch"
+
+    @staticmethod
+    def forward(fn, h, w, t):
+        """(median ms, logp) of fn without autograd."""
+        with torch.no_grad():
+            logp = fn(h, w, t).float()
+            return do_bench(lambda: fn(h, w, t), warmup=25, rep=150, return_mode="median"), logp
+
+    @staticmethod
+    def fwd_bwd(fn, h, w, t, g):
+        """(median ms, peak extra MB) of one training step."""
+        def step():
+            h.grad = w.grad = None
             torch.autograd.backward(fn(h, w, t), g)
-        else:
-            with torch.no_grad():
-                fn(h, w, t)
-    res = {}
-    for train, key in ((False, "fwd"), (True, "fb")):
-        run(train)
+        step()
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        run(train)
+        base = torch.cuda.memory_allocated()  # inputs and the previous step's gradients
+        step()
         torch.cuda.synchronize()
-        # Peak allocated beyond what was live before the call (the reserved delta read 0 MB for
-        # every fused path on 2026-11-30: the caching allocator served them from its cache).
-        res[key + "_mem_mb"] = (torch.cuda.max_memory_allocated() - base) / 2 ** 20
-        res[key + "_ms"] = do_bench(lambda: run(train), warmup=25, rep=150, return_mode="median")
+        mem_mb = (torch.cuda.max_memory_allocated() - base) / 2 ** 20
+        return do_bench(step, warmup=25, rep=150, return_mode="median"), mem_mb
+
+    @staticmethod
+    def grads(fn, h, w, t, g):
+        h, w = h.detach().requires_grad_(), w.detach().requires_grad_()
+        return torch.autograd.grad(fn(h, w, t), (h, w), g)
+
+
+class Jax:
+    name = "jax"
+
+    @staticmethod
+    def forward(fn, h, w, t):
+        import jax
+        f, args = jax.jit(fn), _to_jax(h, w, t.int())
+        return _time_ms(f, *args), torch.from_dlpack(f(*args))
+
+    @staticmethod
+    def fwd_bwd(fn, h, w, t, g):
+        f, args = _jax_grad(fn), _to_jax(h, w, t.int(), g)
+        return _time_ms(f, *args), f.lower(*args).compile().memory_analysis().temp_size_in_bytes / 2 ** 20
+
+    @staticmethod
+    def grads(fn, h, w, t, g):
+        return tuple(torch.from_dlpack(d) for d in _jax_grad(fn)(*_to_jax(h, w, t.int(), g)))
+
+
+def _to_jax(*xs):
+    import jax
+    jax.devices()  # start JAX's GPU client first: on a multi-GPU host it can leave another device current
+    torch.cuda.set_device(xs[0].device)  # for torch's DLPack export and its memory statistics
+    return tuple(jax.dlpack.from_dlpack(x.detach()) for x in xs)
+
+
+def _jax_grad(fn):
+    import jax
+    import jax.numpy as jnp
+    return jax.jit(jax.grad(lambda h, w, t, g: jnp.sum(fn(h, w, t) * g), argnums=(0, 1)))
+
+
+def _time_ms(f, *args):
+    from rlk_xla.cli import time_ms
+    return time_ms(f, *args, iters=10)
+
+
+def rlk_xla_route(h, w, t):
+    """The rlk_xla backend(s) that ran the forward (e.g. cuda_sm90)."""
+    import jax
+
+    import rlk_xla
+    rlk_xla.reset_route_stats()
+    jax.block_until_ready(jax.jit(lambda *a: rlk_xla.linear_logp(*a, mode="strict"))(*_to_jax(h, w, t.int())))
+    return ",".join(k for k, v in rlk_xla.route_stats()["backends"].items() if v["fwd_calls"])
+
+
+# ---- one shape ----
+
+@dataclasses.dataclass
+class Case:
+    h: torch.Tensor
+    w: torch.Tensor
+    t: torch.Tensor
+    g: torch.Tensor
+    sample: torch.Tensor  # rows of the logp error
+    logp_ref: torch.Tensor  # float64 logp of those rows
+    grad_inputs: tuple | None = None  # (h, w, t, g) of the leading GRAD_ROWS rows
+    grad_ref: tuple | None = None  # their float64 (dH, dW)
+
+
+def logp64(h, w, t):
+    return torch.log_softmax(h.double() @ w.double().t(), -1).gather(-1, t[:, None])[:, 0]
+
+
+def grads64(h, w, t, g):
+    h64, w64 = h.double().requires_grad_(), w.double().requires_grad_()
+    return torch.autograd.grad(logp64(h64, w64, t), (h64, w64), g.double())
+
+
+def rel_err(x, ref):
+    return float((x.double() - ref).norm() / ref.norm())
+
+
+def make_case(n, hd, v, accuracy):
+    torch.manual_seed(0)
+    h = torch.randn(n, hd, device="cuda").bfloat16().requires_grad_()
+    w = (torch.randn(v, hd, device="cuda") * hd ** -0.5).bfloat16().requires_grad_()
+    t = torch.randint(0, v, (n,), device="cuda")
+    g = torch.randn(n, device="cuda")
+    sample = torch.randperm(n, device="cuda")[:LOGP_ROWS]
     with torch.no_grad():
-        res["logp"] = fn(h, w, t).float()
-    return res
+        case = Case(h, w, t, g, sample, logp64(h[sample], w, t[sample]))
+    if accuracy:
+        m = min(GRAD_ROWS, n)
+        case.grad_inputs = (h[:m].detach(), w.detach(), t[:m], g[:m])
+        case.grad_ref = grads64(*case.grad_inputs)
+    return case
+
+
+def measure(frontend, fwd, train, case, fwd_cache):
+    """One path's numbers. A failing stage is recorded under "error" and ends the path; what was
+    measured before it stays."""
+    r = dict(frontend=frontend.name)
+    try:
+        if fwd not in fwd_cache:
+            ms, logp = frontend.forward(fwd, case.h, case.w, case.t)
+            fwd_cache[fwd] = dict(fwd_ms=ms, logp_rel=rel_err(logp[case.sample], case.logp_ref))
+        r.update(fwd_cache[fwd])
+        r["fb_ms"], r["fb_mem_mb"] = frontend.fwd_bwd(train, case.h, case.w, case.t, case.g)
+        if case.grad_ref is not None:
+            dh, dw = frontend.grads(train, *case.grad_inputs)
+            r.update(dh_rel=rel_err(dh, case.grad_ref[0]), dw_rel=rel_err(dw, case.grad_ref[1]))
+    except Exception as e:  # noqa: BLE001 - one broken path must not hide the rest
+        r["error"] = repr(e)[:300]
+    return r
+
+
+def bench_shape(name, paths, accuracy, progress):
+    n, hd, v = SHAPES[name]
+    case = make_case(n, hd, v, accuracy)
+    with torch.no_grad():
+        gemm_ms = do_bench(lambda: case.h @ case.w.t(), warmup=50, rep=300, return_mode="median")
+    results, fwd_cache = {}, {}
+    for label, (frontend, fwd, train) in paths.items():
+        r = results[label] = measure(frontend, fwd, train, case, fwd_cache)
+        for k in ("fwd", "fb"):
+            if k + "_ms" in r:
+                r[k + "_x_gemm"] = r[k + "_ms"] / gemm_ms
+        torch.cuda.empty_cache()
+        progress.advance(f"{name} {label}")
+    rlk_rows = [results[k] for k in results if k.startswith("rlk_xla")]
+    if rlk_rows:
+        try:
+            route = rlk_xla_route(case.h, case.w, case.t)
+        except Exception as e:  # noqa: BLE001
+            route = "unknown: " + repr(e)[:100]
+        for r in rlk_rows:
+            r["route"] = route
+    return dict(shape=name, n=n, h=hd, v=v, gemm_ms=gemm_ms, gemm_tflops=2.0 * n * hd * v / gemm_ms / 1e9,
+                paths=results)
+
+
+# ---- the run ----
+
+class Progress:
+    """tqdm when installed, else one line per step on stderr."""
+
+    def __init__(self, total):
+        try:
+            from tqdm import tqdm
+            self.bar = tqdm(total=total, file=sys.stderr)
+        except ImportError:
+            self.bar = None
+        self.total, self.done = total, 0
+
+    def advance(self, what):
+        self.done += 1
+        if self.bar is not None:
+            self.bar.set_postfix_str(what)
+            self.bar.update()
+        else:
+            print(f"[{self.done}/{self.total}] {what}", file=sys.stderr, flush=True)
+
+
+def select_paths(names):
+    """name -> (frontend, forward fn, fwd+bwd fn) of the wanted paths that are installed, in PATHS order."""
+    found = {}
+    for frontend, build, own in ((Jax, jax_paths, JAX_PATHS), (Torch, torch_paths, set(PATHS) - JAX_PATHS)):
+        if own & set(names):  # import a frontend's libraries only when one of its paths is wanted
+            found.update({k: (frontend, *fns) for k, fns in build().items() if k in names})
+    return {k: found[k] for k in PATHS if k in found}
+
+
+def run_meta(accuracy):
+    versions = {}
+    for dist in VERSIONED:
+        try:
+            versions[dist] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            versions[dist] = None
+    return dict(date=datetime.datetime.now().isoformat(timespec="minutes"), gpu=torch.cuda.get_device_name(),
+                versions=versions, command=" ".join(["python"] + sys.argv),
+                logp_rows=LOGP_ROWS, grad_rows=GRAD_ROWS if accuracy else None)
+
+
+def parse_args():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shapes", default=",".join(SHAPES), help="comma list of " + ",".join(SHAPES))
+    ap.add_argument("--paths", default=",".join(PATHS), help="comma list of " + ",".join(PATHS))
+    ap.add_argument("--out", default="docs", help="folder for benchmarks.json, the table and the plots")
+    ap.add_argument("--skip-accuracy", action="store_true", help="skip the float64 dH / dW comparison")
+    args = ap.parse_args()
+    for arg, known in ((args.shapes, SHAPES), (args.paths, PATHS)):
+        unknown = set(arg.split(",")) - set(known)
+        if unknown:
+            ap.error(f"unknown: {','.join(sorted(unknown))}")
+    return args
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--shapes", default=",".join(SHAPES))
-    ap.add_argument("--out", default="docs")
-    ap.add_argument("--no-torch", action="store_true")
-    args = ap.parse_args()
+    args = parse_args()
     os.makedirs(args.out, exist_ok=True)
-    try:
-        from tqdm import tqdm
-    except ImportError:  # pragma: no cover
-        tqdm = lambda x, **k: x
-    torch.manual_seed(0)
+    paths = select_paths(args.paths.split(","))
+    shapes = args.shapes.split(",")
+    meta = run_meta(not args.skip_accuracy)
+    progress = Progress(len(shapes) * len(paths))
     rows = []
-    fns = {} if args.no_torch else torch_fns()
-    for name in tqdm(args.shapes.split(","), desc="shapes", file=sys.stderr):
-        n, hd, v = SHAPES[name]
-        h = torch.randn(n, hd, device="cuda").bfloat16().requires_grad_()
-        w = (torch.randn(v, hd, device="cuda") * hd ** -0.5).bfloat16().requires_grad_()
-        t = torch.randint(0, v, (n,), device="cuda")
-        g = torch.randn(n, device="cuda")
-        sample = torch.randperm(n, device="cuda")[:256]
-        with torch.no_grad():
-            gemm_ms = do_bench(lambda: h @ w.t(), warmup=50, rep=300, return_mode="median")
-            ref = torch.log_softmax(h[sample].double() @ w.double().t(), -1).gather(-1, t[sample, None])[:, 0]
-        row = dict(shape=name, n=n, h=hd, v=v, gemm_ms=gemm_ms, gemm_tflops=2.0 * n * hd * v / gemm_ms / 1e9, paths={})
-        results = jax_rows(h, w, t, g)
-        for label, fn in fns.items():
-            try:
-                results[label] = torch_row(fn, h, w, t, g)
-            except Exception as e:  # report and keep going: one broken peer must not hide the rest
-                results[label] = dict(error=repr(e)[:300])
-            torch.cuda.empty_cache()
-        for label, r in results.items():
-            lp = r.pop("logp", None)
-            if lp is not None:
-                r["rel_err"] = float((lp[sample].double() - ref).norm() / ref.norm())
-            for k in ("fwd_ms", "fb_ms"):
-                if k in r:
-                    r[k.replace("_ms", "_x_gemm")] = r[k] / gemm_ms
-            row["paths"][label] = r
-        rows.append(row)
-        print(json.dumps(row), flush=True)
-        del h, w, t, g
+    for name in shapes:
+        rows.append(bench_shape(name, paths, not args.skip_accuracy, progress))
         torch.cuda.empty_cache()
-        write_all(rows, args.out)  # after every shape: a run cut short still leaves its results
-
-
-def write_all(rows, out):
-    meta = dict(date=datetime.date.today().isoformat(), gpu=torch.cuda.get_device_name(),
-                torch=torch.__version__, command=" ".join(["python"] + sys.argv))
-    try:
-        import jax
-        meta["jax"] = jax.__version__
-    except ImportError:
-        pass
-    with open(os.path.join(out, "benchmarks.json"), "w") as f:
-        json.dump(dict(meta=meta, rows=rows), f, indent=1)
-    write_markdown(meta, rows, os.path.join(out, "benchmarks_table.md"))
-    plot(rows, os.path.join(out, "benchmarks.png"))
-
-
-def write_markdown(meta, rows, path):
-    """Four small tables (forward, forward+backward, memory, accuracy): shapes down, paths across."""
-    labels = [l for l in ORDER if any(l in r["paths"] for r in rows)]
-    lines = [f"Measured {meta['date']} on {meta['gpu']} (torch {meta['torch']}, jax {meta.get('jax', '-')}); "
-             f"command: `{meta['command']}`.", ""]
-
-    def table(title, cell):
-        out = [f"**{title}**", "", "| shape | GEMM ms | " + " | ".join(labels) + " |",
-               "|" + "---|" * (2 + len(labels))]
-        for r in rows:
-            cells = [f"{r['shape']} ({r['n']}x{r['h']}x{r['v']})", f"{r['gemm_ms']:.2f}"]
-            for l in labels:
-                p = r["paths"].get(l)
-                cells.append("-" if p is None else ("error" if "error" in p else cell(p)))
-            out.append("| " + " | ".join(cells) + " |")
-        return out + [""]
-
-    lines += table("Forward, ms (x cuBLAS GEMM of the same shape)", lambda p: f"{p['fwd_ms']:.2f} ({p['fwd_x_gemm']:.2f}x)")
-    lines += table("Forward+backward, ms (x GEMM)", lambda p: f"{p['fb_ms']:.2f} ({p['fb_x_gemm']:.2f}x)")
-    lines += table("Peak extra memory, forward+backward, MB (torch: allocated delta; JAX: XLA temp)",
-                   lambda p: f"{p.get('fb_mem_mb', float('nan')):.0f}")
-    lines += table("logp relative error vs float64 (256 sampled rows)", lambda p: f"{p.get('rel_err', float('nan')):.1e}")
-    with open(path, "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
-
-
-def plot(rows, path):
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return
-    labels = [l for l in ORDER if any(l in r["paths"] and "fb_ms" in r["paths"][l] for r in rows)]
-    fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
-    x = np.arange(len(rows))
-    wdt = 0.8 / max(len(labels), 1)
-    for i, l in enumerate(labels):
-        fb = [r["paths"].get(l, {}).get("fb_x_gemm", np.nan) for r in rows]
-        mem = [r["paths"].get(l, {}).get("fb_mem_mb", np.nan) for r in rows]
-        axes[0].bar(x + i * wdt, fb, wdt, label=l)
-        axes[1].bar(x + i * wdt, mem, wdt, label=l)
-    for ax, title in ((axes[0], "forward+backward time / cuBLAS GEMM time (lower is better)"),
-                      (axes[1], "peak extra memory, fwd+bwd, MB (log)")):
-        ax.set_xticks(x + 0.4 - wdt / 2)
-        ax.set_xticklabels([f"{r['shape']}\n{r['n']}x{r['h']}x{r['v']}" for r in rows], fontsize=7)
-        ax.set_title(title, fontsize=9)
-        ax.legend(fontsize=7)
-    axes[1].set_yscale("log")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+        data = dict(meta=meta, rows=rows)
+        with open(os.path.join(args.out, "benchmarks.json"), "w") as f:
+            json.dump(data, f, indent=1)
+        plot_report.write_report(data, args.out)  # after every shape: a run cut short still leaves its results
+        print(plot_report.shape_table(rows[-1]), flush=True)
 
 
 if __name__ == "__main__":

@@ -123,7 +123,8 @@ Status gemm(cudaStream_t stream, void* workspace, const Mat& A, bool ta, const M
   const Api& a = api();
   const float alpha = 1.f;
   std::lock_guard<std::mutex> lock(d->mu);
-  if (a.set_stream(d->h, stream) != 0 || a.set_workspace(d->h, workspace, kWorkspaceBytes) != 0)
+  void* ws = reinterpret_cast<void*>((reinterpret_cast<uintptr_t>(workspace) + 255) & ~uintptr_t(255));
+  if (a.set_stream(d->h, stream) != 0 || a.set_workspace(d->h, ws, kWorkspaceBytes) != 0)
     return "rlk cuda backward: cuBLAS stream/workspace setup failed";
   const int st = a.gemm_ex(d->h, tb ? kOpT : kOpN, ta ? kOpT : kOpN, int(n), int(m), int(k), &alpha, B.ptr,
                            cuda_type(B.dtype), int(B.ld), A.ptr, cuda_type(A.dtype), int(A.ld), &beta, C,

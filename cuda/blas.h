@@ -27,6 +27,9 @@
 namespace rlk::cuda::blas {
 
 constexpr size_t kWorkspaceBytes = size_t(32) << 20;  // cuBLAS's recommendation for Hopper
+// What a caller reserves for it: cuBLAS needs a 256-byte aligned workspace, and a frontend's
+// scratch buffer (XLA's) may be aligned to less; gemm() aligns within this.
+constexpr size_t kWorkspaceAlloc = kWorkspaceBytes + 256;
 
 // A row-major matrix view: `rows` x `cols`, row stride `ld` elements.
 struct Mat {
@@ -36,7 +39,8 @@ struct Mat {
 };
 
 // C[m, n] = A' B' + beta C, with A' = A or A^T (`ta`), B' = B or B^T (`tb`), row-major, fp32
-// accumulation, C in `c_dtype` (row stride ldc). Asynchronous on `stream`; the handle of the
+// accumulation, C in `c_dtype` (row stride ldc); `workspace`: kWorkspaceAlloc bytes of the
+// caller's scratch. Asynchronous on `stream`; the handle of the
 // current device is created on first use (before any graph capture; see prepare()).
 Status gemm(cudaStream_t stream, void* workspace, const Mat& A, bool ta, const Mat& B, bool tb, void* C,
             DType c_dtype, int64_t ldc, float beta);

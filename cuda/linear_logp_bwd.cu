@@ -209,7 +209,7 @@ LeanLayout lean_layout(const Problem& p) {
   const int64_t per = passes > 0 ? (p.n + passes - 1) / passes : 1;
   L.R = (per + 127) / 128 * 128;  // equal passes: a fuller last wave
   auto al = [](size_t x) { return (x + 255) & ~size_t(255); };
-  size_t o = blas::kWorkspaceBytes;  // cuBLAS's workspace first
+  size_t o = blas::kWorkspaceAlloc;  // cuBLAS's workspace first
   L.off_z = o;    o += al(size_t(L.R) * L.P * 4);
   L.off_dlog = o; o += al(size_t(L.R) * L.P * dtype_bytes(p.dtype));
   L.off_dwacc = o;
@@ -285,7 +285,7 @@ Status backward_t(const Problem& p, const BwdArgs& a, Workspace ws, cudaStream_t
 
 size_t backward_workspace_bytes(const Problem& p, bool fast) {
   if (p.n <= 0 || p.v <= 0 || p.h <= 0) return 0;
-  return fast ? blas::kWorkspaceBytes : lean_layout(p).total;
+  return fast ? blas::kWorkspaceAlloc : lean_layout(p).total;
 }
 
 Status backward(const Problem& p, const BwdArgs& a, Workspace ws, cudaStream_t stream) {

@@ -1,5 +1,6 @@
 """torch_bridge on CUDA: the oracle checks, consistency, opcheck, torch.compile, CUDA-graph capture
-and bitwise parity with rlk_xla (the same compiled kernels) on the same inputs."""
+(each with the lean and the fast backward) and bitwise parity with rlk_xla (the same compiled
+kernels) on the same inputs."""
 import pytest
 
 pytest.importorskip("torch", reason="torch is not installed: these tests need it")
@@ -32,32 +33,41 @@ def fresh_counters():
     yield
 
 
+def _bwd_counts():
+    b = torch_bridge.route_stats()["backends"]
+    return sum(x["bwd_calls"] for x in b.values()), sum(x["bwd_fast_calls"] for x in b.values())
+
+
+@pytest.mark.parametrize("backward", ["lean", "fast"])
 @pytest.mark.parametrize("n,h,v,dtype,o", case_grid()[::3], ids=lambda x: str(x) if not isinstance(x, dict) else "")
-def test_against_float64_oracle_cuda(n, h, v, dtype, o):
-    check_against_oracle(torch_bridge.linear_logp, n, h, v, dtype, o, device=CUDA)
+def test_against_float64_oracle_cuda(n, h, v, dtype, o, backward):
+    check_against_oracle(torch_bridge.linear_logp, n, h, v, dtype, o, device=CUDA, backward=backward)
     b = torch_bridge.route_stats()["backends"]
     assert b["cpu"]["fwd_calls"] == 0 and b["cuda_sm90"]["fwd_calls"] + b["cuda_portable"]["fwd_calls"] == 1
+    assert b["cpu"]["bwd_calls"] == 0 and _bwd_counts() == (1, int(backward == "fast"))
 
 
+@pytest.mark.parametrize("backward", ["lean", "fast"])
 @pytest.mark.parametrize("n,h,v", [(4096, 512, 32000), (1000, 2048, 7600), (333, 256, 50000)])
-def test_larger_shapes_cuda(n, h, v):
+def test_larger_shapes_cuda(n, h, v, backward):
     o = dict(bias=False, temp="scalar", ignore_frac=0.1, real_vocab=v - 64, entropy=True)
-    check_against_oracle(torch_bridge.linear_logp, n, h, v, "bfloat16", o, device=CUDA, seed=1)
+    check_against_oracle(torch_bridge.linear_logp, n, h, v, "bfloat16", o, device=CUDA, seed=1, backward=backward)
 
 
-def _fwd_grads(d, kw, g, e):
-    logp, ent, grads = value_and_grads(torch_bridge.linear_logp, d, kw, g, e)
+def _fwd_grads(d, kw, g, e, backward="auto"):
+    logp, ent, grads = value_and_grads(torch_bridge.linear_logp, d, kw, g, e, backward=backward)
     return [logp, ent, grads["hidden"], grads["weight"], grads.get("bias"), grads.get("temperature")]
 
 
-def test_bitwise_deterministic_and_batch_invariant_cuda():
+@pytest.mark.parametrize("backward", ["lean", "fast"])
+def test_bitwise_deterministic_and_batch_invariant_cuda(backward):
     d, kw, g, e = make_inputs(3, 600, 256, 4000, "bfloat16", bias=True, temp="array", ignore_frac=0.1, device=CUDA)
-    first = _fwd_grads(d, kw, g, e)
-    for a, b in zip(first, _fwd_grads(d, kw, g, e)):
+    first = _fwd_grads(d, kw, g, e, backward)
+    for a, b in zip(first, _fwd_grads(d, kw, g, e, backward)):
         assert torch.equal(a, b)
     for rows in (slice(5, 68), slice(0, 1), slice(500, 600)):
         part = _fwd_grads(dict(d, hidden=d["hidden"][rows], targets=d["targets"][rows]),
-                          dict(kw, temperature=kw["temperature"][rows]), g[rows], e[rows])
+                          dict(kw, temperature=kw["temperature"][rows]), g[rows], e[rows], backward)
         for i in (0, 1, 2, 5):
             assert torch.equal(part[i], first[i][rows]), (rows, i)
 
@@ -75,22 +85,40 @@ def test_opcheck_cuda():
     d, kw, g, e = make_inputs(7, 13, 64, 512, "bfloat16", bias=True, temp="array", ignore_frac=0.2, device=CUDA)
     h, w, b, t, T = d["hidden"], d["weight"], kw["bias"].float(), d["targets"].int(), kw["temperature"]
     chunk = 64
-    stats, tl = torch.ops.rlk.forward_stats(h, w, b, t, T, 0, 500, chunk, -100, True)
+    stats, tl, kept = torch.ops.rlk.forward_stats(h, w, b, t, T, 0, 500, chunk, -100, True, True)
     logp, lse, ent = torch.ops.rlk.combine(stats, tl, t, 500, -100)
-    torch.library.opcheck(torch.ops.rlk.forward_stats, (h, w, b, t, T, 0, 500, chunk, -100, True))
+    for keep in (False, True):
+        torch.library.opcheck(torch.ops.rlk.forward_stats, (h, w, b, t, T, 0, 500, chunk, -100, True, keep))
+        torch.library.opcheck(torch.ops.rlk.linear_logp, (h, w, b, t, T, 500, chunk, -100, True, keep))
     torch.library.opcheck(torch.ops.rlk.combine, (stats, tl, t, 500, -100))
-    torch.library.opcheck(torch.ops.rlk.linear_logp_backward, (h, w, b, t, T, lse, ent, g, e, 0, 500, chunk, -100))
-    torch.library.opcheck(torch.ops.rlk.linear_logp, (h.clone().requires_grad_(), w.clone().requires_grad_(),
-                                                      b.clone().requires_grad_(), t, T.clone().requires_grad_(),
-                                                      500, chunk, -100, True))
+    # opcheck clones the arguments of every check: each fast backward gets its own kept logits
+    for logits in (torch.zeros(0, device=CUDA), kept):
+        torch.library.opcheck(torch.ops.rlk.linear_logp_backward,
+                              (h, w, b, t, T, lse, ent, g, e, logits, 0, 500, chunk, -100))
 
 
-def test_torch_compile_cuda():
+def test_fast_backward_consumes_the_kept_logits_cuda():
+    """On CUDA the fast backward overwrites the kept logits (with dlogit): one backward per forward."""
+    d, kw, g, e = make_inputs(5, 30, 64, 512, "bfloat16", bias=True, temp="array", device=CUDA)
+    h, w, b, t, T = d["hidden"], d["weight"], kw["bias"].float(), d["targets"].int(), kw["temperature"]
+    logp, ent, lse, logits = torch.ops.rlk.linear_logp(h, w, b, t, T, 512, 64, -100, True, True)
+    before = logits.clone()
+    torch.ops.rlk.linear_logp_backward(h, w, b, t, T, lse, ent, g, e, logits, 0, 512, 64, -100)
+    assert not torch.equal(logits, before)
+    hg = h.clone().requires_grad_()
+    loss = torch_bridge.linear_logp(hg, w, d["targets"], backward="fast").sum()
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="backward='lean'"):
+        loss.backward()
+
+
+@pytest.mark.parametrize("backward", ["lean", "fast"])
+def test_torch_compile_cuda(backward):
     torch._dynamo.reset()
     d, kw, g, e = make_inputs(8, 257, 128, 3000, "bfloat16", bias=True, temp="array", device=CUDA)
 
     def f(h, w, b, T, t):
-        logp, ent = torch_bridge.linear_logp(h, w, t, bias=b, temperature=T, return_entropy=True)
+        logp, ent = torch_bridge.linear_logp(h, w, t, bias=b, temperature=T, return_entropy=True, backward=backward)
         return (logp * g).sum() + (ent * e).sum(), logp, ent
 
     def run(fn):
@@ -103,14 +131,15 @@ def test_torch_compile_cuda():
         assert torch.equal(a, b)
 
 
-def test_cuda_graph_capture_and_replay():
+@pytest.mark.parametrize("backward", ["lean", "fast"])
+def test_cuda_graph_capture_and_replay(backward):
     d, kw, g, e = make_inputs(9, 300, 128, 2000, "bfloat16", bias=True, temp="array", ignore_frac=0.1, device=CUDA)
     h = d["hidden"].clone().requires_grad_()
     w = d["weight"].clone().requires_grad_()
     t, T, b = d["targets"].clone(), kw["temperature"].clone(), kw["bias"]
 
-    def step():
-        logp, ent = torch_bridge.linear_logp(h, w, t, bias=b, temperature=T, return_entropy=True)
+    def step():  # a fresh forward each time: the captured fast backward consumes the logits it kept
+        logp, ent = torch_bridge.linear_logp(h, w, t, bias=b, temperature=T, return_entropy=True, backward=backward)
         dh, dw = torch.autograd.grad((logp * g).sum() + (ent * e).sum(), [h, w])
         return logp, ent, dh, dw
 

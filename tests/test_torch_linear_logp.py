@@ -18,9 +18,10 @@ from oracle import case_grid
 from torch_helpers import check_against_oracle, make_inputs, to_np, value_and_grads
 
 
+@pytest.mark.parametrize("backward", ["lean", "fast"])
 @pytest.mark.parametrize("n,h,v,dtype,o", case_grid(), ids=lambda x: str(x) if not isinstance(x, dict) else "")
-def test_against_float64_oracle(n, h, v, dtype, o):
-    check_against_oracle(torch_bridge.linear_logp, n, h, v, dtype, o)
+def test_against_float64_oracle(n, h, v, dtype, o, backward):
+    check_against_oracle(torch_bridge.linear_logp, n, h, v, dtype, o, backward=backward)
 
 
 def test_reference_matches_oracle():
@@ -59,26 +60,28 @@ def test_int32_and_int64_targets_agree_and_scalar_float_equals_tensor():
     assert torch.equal(a, b) and torch.equal(a, c)
 
 
-def _forward_and_grads(d, kw, g, e):
-    logp, ent, grads = value_and_grads(torch_bridge.linear_logp, d, kw, g, e)
+def _forward_and_grads(d, kw, g, e, backward="auto"):
+    logp, ent, grads = value_and_grads(torch_bridge.linear_logp, d, kw, g, e, backward=backward)
     return [to_np(x) for x in (logp, ent, grads["hidden"], grads["weight"], grads["bias"], grads["temperature"])]
 
 
-def test_bitwise_deterministic():
+@pytest.mark.parametrize("backward", ["lean", "fast"])
+def test_bitwise_deterministic(backward):
     d, kw, g, e = make_inputs(3, 300, 96, 1000, "bfloat16", bias=True, temp="array", ignore_frac=0.1)
-    first = _forward_and_grads(d, kw, g, e)
+    first = _forward_and_grads(d, kw, g, e, backward)
     for _ in range(2):
-        for a, b in zip(first, _forward_and_grads(d, kw, g, e)):
+        for a, b in zip(first, _forward_and_grads(d, kw, g, e, backward)):
             np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.parametrize("backward", ["lean", "fast"])
 @pytest.mark.parametrize("rows", [slice(5, 68), slice(0, 1), slice(250, 300)])
-def test_batch_invariant(rows):
+def test_batch_invariant(rows, backward):
     d, kw, g, e = make_inputs(4, 300, 96, 1000, "bfloat16", bias=True, temp="array", ignore_frac=0.1)
-    full = _forward_and_grads(d, kw, g, e)
+    full = _forward_and_grads(d, kw, g, e, backward)
     sub = dict(d, hidden=d["hidden"][rows], targets=d["targets"][rows])
     kws = dict(kw, temperature=kw["temperature"][rows])
-    part = _forward_and_grads(sub, kws, g[rows], e[rows])
+    part = _forward_and_grads(sub, kws, g[rows], e[rows], backward)
     for i in (0, 1, 2, 5):  # logp, entropy, dH rows, dtemperature: bitwise
         np.testing.assert_array_equal(part[i], full[i][rows])
 
@@ -101,7 +104,8 @@ def test_out_of_range_targets():
     with pytest.raises(ValueError, match=r"targets\[0\] = 70000 is outside \[0, 65536\)"):
         torch_bridge.validate_targets(torch.tensor([70000, 3]), 65536)
     torch_bridge.validate_targets(torch.tensor([0, 179, -100]), 180)
-    logp, ent, grads = value_and_grads(torch_bridge.linear_logp, d, kw, g, e, validate_targets=False)
+    logp, ent, grads = value_and_grads(torch_bridge.linear_logp, d, kw, g, e, validate_targets=False,
+                                       backward="lean")
     assert torch.isnan(logp[[1, 4, 7]]).all() and not torch.isnan(logp[[0, 2, 3]]).any()
     assert torch.isnan(ent[[1, 4, 7]]).all()
     assert (grads["hidden"][[1, 4, 7]] == 0).all()
@@ -135,11 +139,12 @@ def test_empty_input():
     assert logp.shape == (0,) and ent.shape == (0,)
     logp.sum().backward()
     assert w.grad is None or not w.grad.float().any()
-    # the ops themselves take n = 0
-    dh, dw, db, dt = torch.ops.rlk.linear_logp_backward(
-        torch.zeros((0, 16)), torch.ones((10, 16)), torch.ones(10), torch.zeros(0, dtype=torch.int32),
-        torch.ones(0), torch.zeros(0), None, torch.zeros(0), None, 0, 10, 10, -100)
-    assert dh.shape == (0, 16) and not dw.any() and not db.any()
+    # the ops themselves take n = 0, lean (empty logits) and fast (kept logits [0, v])
+    for logits in (torch.zeros(0, dtype=torch.float32), torch.zeros((0, 10), dtype=torch.float32)):
+        dh, dw, db, dt = torch.ops.rlk.linear_logp_backward(
+            torch.zeros((0, 16)), torch.ones((10, 16)), torch.ones(10), torch.zeros(0, dtype=torch.int32),
+            torch.ones(0), torch.zeros(0), None, torch.zeros(0), None, logits, 0, 10, 10, -100)
+        assert dh.shape == (0, 16) and not dw.any() and not db.any()
 
 
 _H, _W, _T = torch.ones((4, 8)), torch.ones((10, 8)), torch.ones((4,), dtype=torch.int64)
@@ -167,6 +172,9 @@ _H, _W, _T = torch.ones((4, 8)), torch.ones((10, 8)), torch.ones((4,), dtype=tor
     (dict(vocab_start=3), ValueError, "vocab_start"),
     (dict(ignore_index=1.5), TypeError, "ignore_index"),
     (dict(mode="fast"), ValueError, "mode"),
+    (dict(backward="quick"), ValueError, "backward must be one of"),
+    (dict(backward_memory_budget=-1), ValueError, "backward_memory_budget must be >= 0"),
+    (dict(backward_memory_budget=1.5e9), TypeError, "backward_memory_budget must be an int"),
     (dict(targets=torch.tensor([0, 1, 10, 2])), ValueError, r"targets\[2\] = 10 is outside \[0, 10\)"),
 ])
 def test_bad_input_is_a_clear_error(kwargs, exc, match):
@@ -183,13 +191,16 @@ def test_kernel_entry_points_reject_wrong_dtype_and_shape():
     stats, tl = torch.empty((4, 1, 3)), torch.empty(4)
     import _rlk_core as core
     with pytest.raises(ValueError, match="targets"):
-        core.forward(h, w, None, t.long(), it, stats, tl, None, 0, 10, 10, -100, False, 0)
+        core.forward(h, w, None, t.long(), it, stats, tl, None, None, 0, 10, 10, -100, False, 0)
     with pytest.raises(ValueError, match="chunk"):
-        core.forward(h, w, None, t, it, stats, tl, None, 0, 10, 3, -100, False, 0)
+        core.forward(h, w, None, t, it, stats, tl, None, None, 0, 10, 3, -100, False, 0)
     with pytest.raises(ValueError, match="stats"):
-        core.forward(h, w, None, t, it, torch.empty((4, 2, 3)), tl, None, 0, 10, 10, -100, False, 0)
+        core.forward(h, w, None, t, it, torch.empty((4, 2, 3)), tl, None, None, 0, 10, 10, -100, False, 0)
     with pytest.raises(ValueError, match="hidden must be"):  # wrong dtype: no silent conversion
-        core.forward(h.double(), w, None, t, it, stats, tl, None, 0, 10, 10, -100, False, 0)
+        core.forward(h.double(), w, None, t, it, stats, tl, None, None, 0, 10, 10, -100, False, 0)
+    for bad in (torch.empty((4, 10), dtype=torch.float16), torch.empty((4, 9))):  # fp32 operands keep fp32 [n, v]
+        with pytest.raises(ValueError, match="logits"):
+            core.forward(h, w, None, t, it, stats, tl, bad, None, 0, 10, 10, -100, False, 0)
 
 
 def test_python_chunk_rule_equals_the_compiled_one():
@@ -213,18 +224,23 @@ def _op_samples():
     h, w, b = d["hidden"], d["weight"], kw["bias"]
     t, T = d["targets"].to(torch.int32), kw["temperature"]
     chunk = 300 // 4  # canonical_chunk(300) = 75
-    stats, tl = torch.ops.rlk.forward_stats(h, w, b, t, T, 0, 290, chunk, -100, True)
+    stats, tl, kept = torch.ops.rlk.forward_stats(h, w, b, t, T, 0, 290, chunk, -100, True, True)
     logp, lse, ent = torch.ops.rlk.combine(stats, tl, t, 290, -100)
+    hh, wh = h.half(), w.half()
+    kept16 = torch.ops.rlk.forward_stats(hh, wh, None, t, T, 0, 290, chunk, -100, False, True)[2]
+    lean = torch.zeros(0)
     return dict(
-        forward_stats=[(h, w, b, t, T, 0, 290, chunk, -100, True), (h.bfloat16(), w.bfloat16(), None, t, T, 0, 300,
-                                                                     chunk, -100, False)],
+        forward_stats=[(h, w, b, t, T, 0, 290, chunk, -100, True, False),
+                       (h.bfloat16(), w.bfloat16(), None, t, T, 0, 300, chunk, -100, False, True)],
         combine=[(stats, tl, t, 290, -100)],
-        linear_logp_backward=[(h, w, b, t, T, lse, ent, g, e, 0, 290, chunk, -100),
-                              (h.half(), w.half(), None, t, T, lse, None, g, None, 0, 290, chunk, -100)],
-        linear_logp=[(h.clone().requires_grad_(), w.clone().requires_grad_(), b.clone().requires_grad_(), t,
-                      T.clone().requires_grad_(), 290, chunk, -100, True),
-                     (h.detach().bfloat16().requires_grad_(), w.detach().bfloat16().requires_grad_(), None, t,
-                      T.detach(), 300, chunk, -100, False)],
+        linear_logp_backward=[(h, w, b, t, T, lse, ent, g, e, lean, 0, 290, chunk, -100),
+                              (h, w, b, t, T, lse, ent, g, e, kept, 0, 290, chunk, -100),
+                              (hh, wh, None, t, T, lse, None, g, None, lean, 0, 290, chunk, -100),
+                              (hh, wh, None, t, T, lse, None, g, None, kept16, 0, 290, chunk, -100)],
+        # the forward op has no autograd of its own (torch_bridge._ops.LinearLogp is its autograd)
+        linear_logp=[args for keep in (False, True) for args in (
+            (h, w, b, t, T, 290, chunk, -100, True, keep),
+            (h.bfloat16(), w.bfloat16(), None, t, T, 300, chunk, -100, False, keep))],
     )
 
 
@@ -235,14 +251,15 @@ def test_opcheck(name):
         torch.library.opcheck(op, args)
 
 
-def test_torch_compile_fullgraph_forward_and_backward():
+@pytest.mark.parametrize("backward", ["lean", "fast"])
+def test_torch_compile_fullgraph_forward_and_backward(backward):
     torch._dynamo.reset()
     d, kw, g, e = make_inputs(8, 37, 32, 500, "bfloat16", bias=True, temp="array", ignore_frac=0.2,
                               real_vocab=480)
 
     def f(h, w, b, T, t):
         logp, ent = torch_bridge.linear_logp(h, w, t, bias=b, temperature=T, real_vocab_size=480,
-                                             return_entropy=True)
+                                             return_entropy=True, backward=backward)
         return (logp * g).sum() + (ent * e).sum(), logp, ent
 
     cf = torch.compile(f, fullgraph=True, backend="aot_eager")

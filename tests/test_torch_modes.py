@@ -11,7 +11,7 @@ import _rlk_core
 import oracle
 import torch_bridge
 from torch_bridge import provider as P
-from torch_helpers import make_inputs, to_np
+from torch_helpers import assert_grads, make_inputs, oracle_of, to_np
 
 
 @pytest.fixture(autouse=True)
@@ -36,7 +36,9 @@ def test_counters_calls_tokens_backends_and_reset():
         out = torch_bridge.linear_logp(h, d["weight"], d["targets"])
     out.sum().backward()
     s = torch_bridge.route_stats()
-    assert s["backends"]["cpu"] == {"fwd_calls": 3, "fwd_tokens": 120, "bwd_calls": 1, "bwd_tokens": 40}
+    # backward="auto" at 40 x 300 keeps the logits: the backward is the fast one
+    assert s["backends"]["cpu"] == {"fwd_calls": 3, "fwd_tokens": 120, "bwd_calls": 1, "bwd_tokens": 40,
+                                    "bwd_fast_calls": 1}
     assert s["calls"] == 3 and s["tokens"] == 120 and s["backend_id"] == "cpu"
     assert s["fallback_total"] == 0 and s["reference"] == {"calls": 0, "tokens": 0}
     torch_bridge.reset_route_stats()
@@ -194,6 +196,8 @@ _ctx_ok = P.LinearLogpContext(torch.ones(4, 8), P.LinearProjection(_w), P.VocabP
     (lambda: P.LinearLogpRequest(_t, context=_ctx_ok, temperature=torch.ones(4, dtype=torch.int64)), "temperature"),
     (lambda: P.LinearLogpRequest(_t, context=_ctx_ok, chunk_size=0), "chunk_size"),
     (lambda: P.LinearLogpRequest(_t, context=_ctx_ok, metadata=[]), "metadata"),
+    (lambda: P.LinearLogpRequest(_t, context=_ctx_ok, backward="eager"), "backward"),
+    (lambda: P.LinearLogpRequest(_t, context=_ctx_ok, backward=None), "backward"),
     (lambda: P.LinearLogpRequest(_t, context=_ctx_ok, tensor_parallel_group=object()), "tensor_parallel_group"),
     (lambda: P.LinearLogpRequest(_t, context=P.LinearLogpContext(torch.ones(4, 8), P.LinearProjection(_w),
                                                                   P.VocabPartition(0, 10, 10, 20))),
@@ -213,35 +217,33 @@ def test_dataclasses_validate_naming_the_field(make, match):
 
 # ---- provider: modes --------------------------------------------------------------------------------
 
-def _oracle(ctx, t, g=None, e=None, temperature=1.0, real=None):
-    b = ctx.projection.bias
-    return oracle.linear_logp(to_np(ctx.hidden), to_np(ctx.projection.weight), t.numpy(),
-                              bias=None if b is None else to_np(b), temperature=temperature, real_vocab=real,
-                              g=None if g is None else g.numpy(), e=None if e is None else e.numpy())
-
-
+@pytest.mark.parametrize("backward", ["lean", "fast"])
 @pytest.mark.parametrize("mode", P.MODES)
-def test_every_mode_gives_the_oracle_values_and_gradients(mode):
+def test_every_mode_gives_the_oracle_values_and_gradients(mode, backward):
     ctx, t, g, e = _ctx(n=33, v=300, dtype="bfloat16", bias=True, real=290, requires_grad=True)
     temp = torch.linspace(0.5, 2.0, 33).requires_grad_()
-    req = P.LinearLogpRequest(t, context=ctx, with_entropy=True, with_entropy_grad=True, temperature=temp)
+    req = P.LinearLogpRequest(t, context=ctx, with_entropy=True, with_entropy_grad=True, temperature=temp,
+                              backward=backward)
     r = P.compute_linear_logp(req, mode)
     assert r.logp.shape == (33, 1) and r.logp.dtype == torch.float32 and r.entropy.shape == (33,)
     assert r.contract_id == P.CONTRACT_ID and r.provenance["mode"] == mode
+    assert r.provenance["backward"] == backward
     assert r.backend_id == ("native" if mode == "off" else "rlk.cpu")
     ((r.logp[:, 0] * g).sum() + (r.entropy * e).sum()).backward()
-    ref = _oracle(ctx, t, g, e, temperature=temp.detach().numpy(), real=290)
+    fast = backward == "fast" and mode != "off"  # the native path ignores the strategy
+    ref = oracle_of(dict(hidden=ctx.hidden, weight=ctx.projection.weight, targets=t),
+                    dict(bias=ctx.projection.bias, temperature=temp.detach()), g, e, real_vocab=290,
+                    kept_dtype="bfloat16" if fast else None)
     oracle.assert_values(to_np(r.logp[:, 0]), ref["logp"], "logp")
     oracle.assert_values(to_np(r.entropy), ref["entropy"], "entropy")
-    oracle.assert_grad(to_np(ctx.hidden.grad), ref["dh"], "bfloat16", "d hidden", ref["dh_abs"])
-    oracle.assert_grad(to_np(ctx.projection.weight.grad), ref["dw"], "bfloat16", "d weight", ref["dw_abs"])
-    oracle.assert_grad(to_np(ctx.projection.bias.grad), ref["db"], "bfloat16", "d bias", ref["db_abs"])
-    oracle.assert_grad(to_np(temp.grad), ref["dtemp"], "float32", "d temperature", ref["dtemp_abs"])
+    assert_grads(dict(hidden=ctx.hidden.grad, weight=ctx.projection.weight.grad, bias=ctx.projection.bias.grad,
+                      temperature=temp.grad), ref, "bfloat16")
     s = P.stats()
     assert s["calls"] == 1 and s["tokens"] == 33 and s["fallback_total"] == 0 and s["modes"] == {mode: 1}
     assert s["backend_ids"] == {r.backend_id: 1}
-    if mode != "off":  # our route ran our kernels
-        assert torch_bridge.route_stats()["backends"]["cpu"]["fwd_calls"] == 1
+    cpu = torch_bridge.route_stats()["backends"]["cpu"]
+    if mode != "off":  # our route ran our kernels, with the strategy asked for
+        assert cpu["fwd_calls"] == 1 and cpu["bwd_calls"] == 1 and cpu["bwd_fast_calls"] == int(fast)
 
 
 def test_off_from_logits_and_from_context_agree():

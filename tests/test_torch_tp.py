@@ -1,6 +1,6 @@
 """Vocab-parallel torch_bridge.linear_logp over 2 and 4 gloo processes: bitwise the same logp and
-entropy as the unsharded call (TP = 1, 2, 4), gradients against the float64 oracle, dH reduction
-options, the reference (off) path and the provider under TP."""
+entropy as the unsharded call (TP = 1, 2, 4), gradients against the float64 oracle with the lean and
+the fast backward, dH reduction options, the reference (off) path and the provider under TP."""
 import pytest
 
 pytest.importorskip("torch", reason="torch is not installed: these tests need it")
@@ -12,10 +12,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+import _rlk_core
 import oracle
 import torch_bridge
 from torch_bridge import provider as P
-from torch_helpers import make_inputs, to_np
+from torch_helpers import assert_grads, make_inputs, oracle_of, to_np
 
 # name: (seed, n, h, v_global, dtype, options)
 CASES = {
@@ -31,8 +32,13 @@ def _case_inputs(name):
     return make_inputs(seed, n, h, v, dtype, **o)
 
 
-def _run(d, kw, g, e, *, group=None, rank=0, world=1, mode=None, reduce_grad_hidden=True):
-    """One rank's call on its vocab shard: logp, entropy and the gradients of sum g*logp + e*ent."""
+def _fast_calls():
+    return _rlk_core.route_counts()["cpu"][4]
+
+
+def _run(d, kw, g, e, *, group=None, rank=0, world=1, mode=None, reduce_grad_hidden=True, backward="lean"):
+    """One rank's call on its vocab shard: logp, entropy, the gradients of sum g*logp + e*ent and
+    how many fast backwards ran."""
     v_local = d["weight"].shape[0] // world
     sl = slice(rank * v_local, (rank + 1) * v_local)
     h = d["hidden"].clone().requires_grad_()
@@ -45,10 +51,11 @@ def _run(d, kw, g, e, *, group=None, rank=0, world=1, mode=None, reduce_grad_hid
     if isinstance(kw.get("temperature"), torch.Tensor):
         kwargs["temperature"] = kw["temperature"].clone().requires_grad_()
         leaves.append(kwargs["temperature"])
+    fast0 = _fast_calls()
     logp, ent = torch_bridge.linear_logp(h, w, d["targets"], return_entropy=True, tp_group=group, mode=mode,
-                                         reduce_grad_hidden=reduce_grad_hidden, **kwargs)
+                                         reduce_grad_hidden=reduce_grad_hidden, backward=backward, **kwargs)
     ((logp * g).sum() + (ent * e).sum()).backward()
-    out = dict(logp=logp.detach(), ent=ent.detach(), dh=h.grad, dw=w.grad)
+    out = dict(logp=logp.detach(), ent=ent.detach(), dh=h.grad, dw=w.grad, fast_calls=_fast_calls() - fast0)
     if "bias" in kw:
         out["db"] = kwargs["bias"].grad
     if isinstance(kw.get("temperature"), torch.Tensor):
@@ -81,6 +88,7 @@ def _worker(rank, world, port, out_dir):
         for name in CASES:
             d, kw, g, e = _case_inputs(name)
             res[name] = _run(d, kw, g, e, group=group, rank=rank, world=world)
+            res[name + "/fast"] = _run(d, kw, g, e, group=group, rank=rank, world=world, backward="fast")
             res[name + "/partial_dh"] = _run(d, kw, g, e, group=group, rank=rank, world=world,
                                              reduce_grad_hidden=False)["dh"]
             res[name + "/off"] = _run(d, kw, g, e, group=group, rank=rank, world=world, mode="off")
@@ -116,38 +124,42 @@ def _oracle(name):
     return d, kw, g, e, ref
 
 
+@pytest.mark.parametrize("backward", ["lean", "fast"])
 @pytest.mark.parametrize("name", list(CASES))
-def test_tp_bitwise_equal_to_unsharded(tp_results, name):
+def test_tp_bitwise_equal_to_unsharded(tp_results, name, backward):
+    key_of = name if backward == "lean" else name + "/fast"
     d, kw, g, e = _case_inputs(name)
-    one = _run(d, kw, g, e)
+    one = _run(d, kw, g, e, backward=backward)
     for world, ranks in tp_results.items():
         for r, res in enumerate(ranks):
             for key in ("logp", "ent"):
-                assert torch.equal(res[name][key], one[key]) or (
-                    torch.equal(torch.isnan(res[name][key]), torch.isnan(one[key]))
-                    and torch.equal(res[name][key].nan_to_num(), one[key].nan_to_num())), (world, r, key)
+                assert torch.equal(res[key_of][key], one[key]) or (
+                    torch.equal(torch.isnan(res[key_of][key]), torch.isnan(one[key]))
+                    and torch.equal(res[key_of][key].nan_to_num(), one[key].nan_to_num())), (world, r, key)
             if "dtemp" in one:  # every rank holds the same, all-reduced, temperature gradient
-                assert torch.equal(res[name]["dtemp"], ranks[0][name]["dtemp"])
+                assert torch.equal(res[key_of]["dtemp"], ranks[0][key_of]["dtemp"])
+            assert res[key_of]["fast_calls"] == int(backward == "fast"), (world, r)
 
 
+@pytest.mark.parametrize("backward", ["lean", "fast"])
 @pytest.mark.parametrize("name", list(CASES))
-def test_tp_gradients_against_oracle(tp_results, name):
-    d, kw, g, e, ref = _oracle(name)
+def test_tp_gradients_against_oracle(tp_results, name, backward):
+    key_of = name if backward == "lean" else name + "/fast"
+    d, kw, g, e = _case_inputs(name)
     dtype = str(d["hidden"].dtype).replace("torch.", "")
+    ref = oracle_of(d, kw, g, e, real_vocab=kw.get("real_vocab_size"), kept_dtype=dtype if backward == "fast" else None)
     for world, ranks in tp_results.items():
         for r, res in enumerate(ranks):  # the full dH on every rank
-            oracle.assert_grad(to_np(res[name]["dh"]), ref["dh"], dtype, f"TP{world} rank{r} d hidden", ref["dh_abs"])
-            assert res[name]["dh"].dtype == d["hidden"].dtype
-        dw = torch.cat([res[name]["dw"] for res in ranks])
-        oracle.assert_grad(to_np(dw), ref["dw"], dtype, f"TP{world} d weight", ref["dw_abs"])
+            assert_grads(dict(hidden=res[key_of]["dh"]), ref, dtype, f"TP{world} rank{r} ")
+            assert res[key_of]["dh"].dtype == d["hidden"].dtype
+        full = dict(weight=torch.cat([res[key_of]["dw"] for res in ranks]))
         if "bias" in kw:
-            db = torch.cat([res[name]["db"] for res in ranks])
-            oracle.assert_grad(to_np(db), ref["db"], dtype, f"TP{world} d bias", ref["db_abs"])
-        if "dtemp" in ranks[0][name]:
-            oracle.assert_grad(to_np(ranks[0][name]["dtemp"]), ref["dtemp"], "float32", "d temperature",
-                               ref["dtemp_abs"])
-        oracle.assert_values(to_np(ranks[0][name]["logp"]), ref["logp"], "logp")
-        oracle.assert_values(to_np(ranks[0][name]["ent"]), ref["entropy"], "entropy")
+            full["bias"] = torch.cat([res[key_of]["db"] for res in ranks])
+        if "dtemp" in ranks[0][key_of]:
+            full["temperature"] = ranks[0][key_of]["dtemp"]
+        assert_grads(full, ref, dtype, f"TP{world} ")
+        oracle.assert_values(to_np(ranks[0][key_of]["logp"]), ref["logp"], "logp")
+        oracle.assert_values(to_np(ranks[0][key_of]["ent"]), ref["entropy"], "entropy")
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -194,9 +206,16 @@ def test_tp_arguments_are_checked():
         with pytest.raises(ValueError, match="vocab_start must be rank"):
             torch_bridge.linear_logp(d["hidden"], d["weight"], d["targets"], tp_group=dist.group.WORLD,
                                      vocab_start=8)
-        one = _run(d, kw, g, e)
-        grp = _run(d, kw, g, e, group=dist.group.WORLD)  # TP = 1 through the group path: same bits
-        for k in ("logp", "ent", "dh", "dw", "db"):
-            assert torch.equal(one[k], grp[k]), k
+        for backward in ("lean", "fast"):
+            one = _run(d, kw, g, e, backward=backward)
+            grp = _run(d, kw, g, e, group=dist.group.WORLD, backward=backward)  # TP = 1 via the group: same bits
+            for k in ("logp", "ent", "dh", "dw", "db", "fast_calls"):
+                assert torch.equal(torch.as_tensor(one[k]), torch.as_tensor(grp[k])), (backward, k)
+        # the kept logits serve one backward through the group path too
+        h = d["hidden"].clone().requires_grad_()
+        out = torch_bridge.linear_logp(h, d["weight"], d["targets"], tp_group=dist.group.WORLD, backward="fast")
+        out.sum().backward(retain_graph=True)
+        with pytest.raises(RuntimeError, match="backward='lean'"):
+            out.sum().backward()
     finally:
         dist.destroy_process_group()

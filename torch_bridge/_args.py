@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
+import os
 from typing import Any
 
 import torch
@@ -16,6 +17,8 @@ from ._core import core
 F32 = torch.float32
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 DTYPE_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+BACKWARDS = ("auto", "fast", "lean")
+DEFAULT_BACKWARD_MEMORY_BUDGET = 4 << 30  # bytes of kept logits "auto" accepts (per shard)
 
 
 @dataclasses.dataclass
@@ -166,3 +169,44 @@ def unsupported(hidden: torch.Tensor) -> str | None:
     if dev == "cuda":
         return None if core.has_cuda else "device cuda (this build of _rlk_core has no CUDA backend)"
     return f"device {dev} (supported: cpu, cuda)"
+
+
+def kept_logits_dtype(dtype: torch.dtype) -> torch.dtype:
+    """dtype of the logits the fast backward keeps: fp16 for bf16 and fp16 inputs (3 more mantissa
+    bits than bf16, half the bytes of fp32), fp32 for fp32 inputs."""
+    return F32 if dtype == F32 else torch.float16
+
+
+def backward_memory_budget(budget) -> int:
+    """Bytes of kept logits backward="auto" may spend: `budget`, else env RLK_BACKWARD_MEMORY_BUDGET,
+    else 4 GiB."""
+    name = "backward_memory_budget"
+    if budget is None:
+        env = os.environ.get("RLK_BACKWARD_MEMORY_BUDGET")
+        if env is None:
+            return DEFAULT_BACKWARD_MEMORY_BUDGET
+        name = "env RLK_BACKWARD_MEMORY_BUDGET"
+        try:
+            budget = int(env)
+        except ValueError:
+            raise ValueError(f"{name} must be an int number of bytes >= 0, got {env!r}") from None
+    if not isinstance(budget, numbers.Integral) or isinstance(budget, bool):
+        raise TypeError(f"{name} must be an int number of bytes, got {type(budget).__name__}")
+    if budget < 0:
+        raise ValueError(f"{name} must be >= 0 bytes, got {budget}")
+    return int(budget)
+
+
+def resolve_backward(backward: str, n: int, v_local: int, dtype: torch.dtype, budget=None) -> str:
+    """The backward strategy of one call, "fast" or "lean".
+    fast: the forward also writes this shard's logits [n, v_local] (kept_logits_dtype) and the
+    backward reads them instead of recomputing them; lean: the backward recomputes them chunk by
+    chunk (small workspace). auto: fast when n * v_local * itemsize <= the budget (bytes; None:
+    env RLK_BACKWARD_MEMORY_BUDGET, else 4 GiB), else lean."""
+    if backward not in BACKWARDS:
+        raise ValueError(f"backward must be one of {BACKWARDS}, got {backward!r}")
+    budget = backward_memory_budget(budget)  # checked for every strategy: a bad value is never ignored
+    if backward != "auto":
+        return backward
+    kept = n * v_local * kept_logits_dtype(dtype).itemsize
+    return "fast" if kept <= budget else "lean"

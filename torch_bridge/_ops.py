@@ -2,15 +2,23 @@
 
 Low-level ops, one per compiled entry point (used by the tensor-parallel path, which puts
 collectives between them):
-  rlk::forward_stats          per-(row, canonical chunk) statistics and the local target logit
+  rlk::forward_stats          per-(row, canonical chunk) statistics, the local target logit and,
+                              with keep_logits, this shard's logits for the fast backward
   rlk::combine                all chunks' statistics -> logp, lse, entropy (fixed chunk order)
   rlk::linear_logp_backward   dH (this shard's partial, f32), dW, db (f32), dtemperature (partial)
-and the fused single-shard op with autograd, traceable by torch.compile(fullgraph=True):
-  rlk::linear_logp            (logp, entropy, lse); backward through rlk::linear_logp_backward
+and the fused single-shard forward op, with its autograd (LinearLogp), traceable by
+torch.compile(fullgraph=True):
+  rlk::linear_logp            (logp, entropy, lse, kept logits); backward through rlk::linear_logp_backward
 
 Every op takes `temperature` [n] f32 and forms inv_temp = 1 / temperature itself (the same fp32
 division as the JAX frontend, so both give the same bits). Bias, when given, is fp32. Outputs and
 the CUDA workspace are allocated with torch's allocator; CUDA kernels run on the current stream.
+
+Kept logits (backward="fast"): z = (h.W + b) / T of the shard, [n, v] in kept_logits_dtype. When
+they are not kept the ops carry an empty [0] tensor in their place, and the backward then
+recomputes the logits ("lean"). The backward declares `logits` mutated: on CUDA it overwrites them
+with dlogit, so they serve one backward. (Optional[Tensor] with None for lean would read better,
+but Inductor fails to lower a mutated Optional argument that is None -- torch 2.13.)
 """
 from __future__ import annotations
 
@@ -21,7 +29,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from ._args import DTYPE_CODE
+from ._args import DTYPE_CODE, kept_logits_dtype
 from ._core import core
 
 F32 = torch.float32
@@ -41,13 +49,35 @@ def _c(t: Optional[Tensor]) -> Optional[Tensor]:
     return None if t is None else t.detach().contiguous()
 
 
-def _workspace(hidden: Tensor, v: int, chunk: int, has_bias: bool, with_entropy: bool, backward: bool):
+FORWARD, BACKWARD_LEAN, BACKWARD_FAST = range(3)  # the order of core.cuda_workspace_bytes's sizes
+
+
+def _workspace(hidden: Tensor, v: int, chunk: int, has_bias: bool, with_entropy: bool, which: int):
     if hidden.device.type != "cuda":
         return None
-    fwd, bwd = core.cuda_workspace_bytes(hidden.shape[0], hidden.shape[1], v, chunk, DTYPE_CODE[hidden.dtype],
-                                         has_bias, with_entropy)
-    nbytes = bwd if backward else fwd
+    if which != FORWARD:  # cuBLAS (the backward's GEMMs): a no-op once the device's handle exists;
+        # creating it inside a CUDA-graph capture fails, so capture after one warm-up step
+        core.cuda_prepare_backward(hidden.device.index)
+    nbytes = core.cuda_workspace_bytes(hidden.shape[0], hidden.shape[1], v, chunk, DTYPE_CODE[hidden.dtype],
+                                       has_bias, with_entropy)[which]
     return torch.empty((nbytes,), dtype=torch.uint8, device=hidden.device) if nbytes > 0 else None
+
+
+def _logits_like(hidden: Tensor, v: int, keep_logits: bool) -> Tensor:
+    """The kept-logits output: [n, v] (every element written by the forward), or the empty [0]."""
+    shape = (hidden.shape[0], v) if keep_logits else (0,)
+    return hidden.new_empty(shape, dtype=kept_logits_dtype(hidden.dtype))
+
+
+def _kept(logits: Tensor, hidden: Tensor, v: int) -> Optional[Tensor]:
+    """The kept logits for the fast backward, or None (lean) for the empty [0] tensor."""
+    if tuple(logits.shape) == (0,):
+        return None
+    if tuple(logits.shape) != (hidden.shape[0], v) or logits.dtype != kept_logits_dtype(hidden.dtype):
+        raise ValueError(f"logits must be the kept logits [{hidden.shape[0]}, {v}] "
+                         f"{kept_logits_dtype(hidden.dtype)} or an empty [0] tensor (lean backward), got "
+                         f"{tuple(logits.shape)} {logits.dtype}")
+    return logits
 
 
 def _inv_temp(temperature: Tensor) -> Tensor:
@@ -57,33 +87,39 @@ def _inv_temp(temperature: Tensor) -> Tensor:
 # ---- rlk::forward_stats ---------------------------------------------------------------------------
 
 def _forward_stats(hidden, weight, bias, targets, temperature, vocab_start, real_vocab, chunk, ignore_index,
-                   with_entropy):
+                   with_entropy, keep_logits):
     n, v = hidden.shape[0], weight.shape[0]
     if chunk <= 0 or v % chunk:
         raise ValueError(f"chunk {chunk} must divide the local vocab {v}")
     stats = torch.empty((n, v // chunk, W), dtype=F32, device=hidden.device)
     tl = torch.empty((n,), dtype=F32, device=hidden.device)
+    logits = _logits_like(hidden, v, keep_logits)
     if n == 0:
-        return stats, tl
+        return stats, tl, logits
     with _on(hidden):
         core.forward(_c(hidden), _c(weight), _c(bias), _c(targets), _inv_temp(temperature), stats, tl,
-                     _workspace(hidden, v, chunk, bias is not None, with_entropy, False), int(vocab_start),
+                     logits if keep_logits else None,
+                     _workspace(hidden, v, chunk, bias is not None, with_entropy, FORWARD), int(vocab_start),
                      int(real_vocab), int(chunk), int(ignore_index), bool(with_entropy), _stream(hidden))
-    return stats, tl
+    return stats, tl, logits
 
 
 @torch.library.custom_op("rlk::forward_stats", mutates_args=())
 def forward_stats(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], targets: Tensor, temperature: Tensor,
-                  vocab_start: int, real_vocab: int, chunk: int, ignore_index: int,
-                  with_entropy: bool) -> Tuple[Tensor, Tensor]:
+                  vocab_start: int, real_vocab: int, chunk: int, ignore_index: int, with_entropy: bool,
+                  keep_logits: bool) -> Tuple[Tensor, Tensor, Tensor]:
+    """(stats [n, v/chunk, 3] f32, target_logit [n] f32 (0 unless the target is in this shard),
+    kept logits [n, v] or [0])."""
     return _forward_stats(hidden, weight, bias, targets, temperature, vocab_start, real_vocab, chunk, ignore_index,
-                          with_entropy)
+                          with_entropy, keep_logits)
 
 
 @forward_stats.register_fake
-def _(hidden, weight, bias, targets, temperature, vocab_start, real_vocab, chunk, ignore_index, with_entropy):
+def _(hidden, weight, bias, targets, temperature, vocab_start, real_vocab, chunk, ignore_index, with_entropy,
+      keep_logits):
     n, v = hidden.shape[0], weight.shape[0]
-    return hidden.new_empty((n, v // chunk, W), dtype=F32), hidden.new_empty((n,), dtype=F32)
+    return (hidden.new_empty((n, v // chunk, W), dtype=F32), hidden.new_empty((n,), dtype=F32),
+            _logits_like(hidden, v, keep_logits))
 
 
 # ---- rlk::combine ---------------------------------------------------------------------------------
@@ -113,9 +149,10 @@ def _(stats, target_logit, targets, real_vocab, ignore_index):
 
 # ---- rlk::linear_logp_backward --------------------------------------------------------------------
 
-def _backward(hidden, weight, bias, targets, temperature, lse, entropy, g, e, vocab_start, real_vocab, chunk,
+def _backward(hidden, weight, bias, targets, temperature, lse, entropy, g, e, logits, vocab_start, real_vocab, chunk,
               ignore_index):
     n, h, v = hidden.shape[0], hidden.shape[1], weight.shape[0]
+    kept = _kept(logits, hidden, v)
     dev = hidden.device
     dh = torch.empty((n, h), dtype=F32, device=dev)
     dw = torch.empty((v, h), dtype=weight.dtype, device=dev)
@@ -128,69 +165,117 @@ def _backward(hidden, weight, bias, targets, temperature, lse, entropy, g, e, vo
     inv = _inv_temp(temperature)
     with _on(hidden):
         core.backward(_c(hidden), _c(weight), _c(bias), _c(targets), inv, _c(lse), _c(entropy) if with_entropy else None,
-                      _c(g.to(F32)), _c(e.to(F32)) if with_entropy else None, dh, dw, db if bias is not None else None,
-                      dzz, _workspace(hidden, v, chunk, bias is not None, with_entropy, True), int(vocab_start),
-                      int(real_vocab), int(chunk), int(ignore_index), _stream(hidden))
+                      _c(g.to(F32)), _c(e.to(F32)) if with_entropy else None, kept, dh, dw,
+                      db if bias is not None else None, dzz,
+                      _workspace(hidden, v, chunk, bias is not None, with_entropy,
+                                 BACKWARD_LEAN if kept is None else BACKWARD_FAST),
+                      int(vocab_start), int(real_vocab), int(chunk), int(ignore_index), _stream(hidden))
     return dh, dw, db, -inv * dzz
 
 
-@torch.library.custom_op("rlk::linear_logp_backward", mutates_args=())
+@torch.library.custom_op("rlk::linear_logp_backward", mutates_args=("logits",))
 def linear_logp_backward(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], targets: Tensor,
                          temperature: Tensor, lse: Tensor, entropy: Optional[Tensor], g: Tensor,
-                         e: Optional[Tensor], vocab_start: int, real_vocab: int, chunk: int,
+                         e: Optional[Tensor], logits: Tensor, vocab_start: int, real_vocab: int, chunk: int,
                          ignore_index: int) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """(dhidden [n, h] f32 partial over this shard's vocab, dweight [v, h] in weight's dtype,
-    dbias [v] f32 ([0] without bias), dtemperature [n] f32 partial)."""
-    return _backward(hidden, weight, bias, targets, temperature, lse, entropy, g, e, vocab_start, real_vocab, chunk,
-                     ignore_index)
+    dbias [v] f32 ([0] without bias), dtemperature [n] f32 partial).
+    logits: the forward's kept logits (fast; overwritten on CUDA) or an empty [0] tensor (lean)."""
+    return _backward(hidden, weight, bias, targets, temperature, lse, entropy, g, e, logits, vocab_start, real_vocab,
+                     chunk, ignore_index)
 
 
 @linear_logp_backward.register_fake
-def _(hidden, weight, bias, targets, temperature, lse, entropy, g, e, vocab_start, real_vocab, chunk, ignore_index):
+def _(hidden, weight, bias, targets, temperature, lse, entropy, g, e, logits, vocab_start, real_vocab, chunk,
+      ignore_index):
     n, h, v = hidden.shape[0], hidden.shape[1], weight.shape[0]
     return (hidden.new_empty((n, h), dtype=F32), weight.new_empty((v, h)),
             hidden.new_empty((v if bias is not None else 0,), dtype=F32), hidden.new_empty((n,), dtype=F32))
 
 
-# ---- rlk::linear_logp (one shard: the whole vocab) -------------------------------------------------
+# ---- rlk::linear_logp (one shard: the whole vocab) and its autograd ------------------------------
 
 @torch.library.custom_op("rlk::linear_logp", mutates_args=())
 def linear_logp(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], targets: Tensor, temperature: Tensor,
-                real_vocab: int, chunk: int, ignore_index: int, with_entropy: bool) -> Tuple[Tensor, Tensor, Tensor]:
-    """(logp, entropy, lse), [n] f32 each; entropy is zeros unless with_entropy; lse has no gradient."""
-    stats, tl = _forward_stats(hidden, weight, bias, targets, temperature, 0, real_vocab, chunk, ignore_index,
-                               with_entropy)
+                real_vocab: int, chunk: int, ignore_index: int, with_entropy: bool,
+                keep_logits: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(logp, entropy, lse, logits): [n] f32 each, entropy zeros unless with_entropy, and the kept
+    logits [n, v] for the fast backward ([0] unless keep_logits). No autograd of its own: see
+    LinearLogp."""
+    stats, tl, logits = _forward_stats(hidden, weight, bias, targets, temperature, 0, real_vocab, chunk,
+                                       ignore_index, with_entropy, keep_logits)
     logp, lse, ent = _combine(stats, tl, targets, real_vocab, ignore_index)
     if not with_entropy:
         ent = torch.zeros_like(logp)
-    return logp, ent, lse
+    return logp, ent, lse, logits
 
 
 @linear_logp.register_fake
-def _(hidden, weight, bias, targets, temperature, real_vocab, chunk, ignore_index, with_entropy):
+def _(hidden, weight, bias, targets, temperature, real_vocab, chunk, ignore_index, with_entropy, keep_logits):
     n = hidden.shape[0]
-    return tuple(hidden.new_empty((n,), dtype=F32) for _ in range(3))
+    return (*(hidden.new_empty((n,), dtype=F32) for _ in range(3)), _logits_like(hidden, weight.shape[0], keep_logits))
 
 
-def _setup_context(ctx, inputs, output):
-    hidden, weight, bias, targets, temperature, real_vocab, chunk, ignore_index, with_entropy = inputs
-    logp, ent, lse = output
-    ctx.save_for_backward(hidden, weight, bias, targets, temperature, lse, ent)
-    ctx.cfg = (int(real_vocab), int(chunk), int(ignore_index), bool(with_entropy))
-    ctx.mark_non_differentiable(lse)
+class KeptLogits:
+    """The fast backward's bookkeeping on an autograd ctx (LinearLogp and the vocab-parallel path).
+
+    The kept logits serve one backward: on CUDA it overwrites them with dlogit, so a second
+    backward through the same graph (retain_graph=True) would read dlogit as logits. That is
+    refused on every device alike (the CPU only reads them), before the saved tensors are unpacked
+    (whose version check would give a less helpful error). This runs in eager mode only; under
+    torch.compile, AOTAutograd guards the mutation itself: a backward compiled while the graph is
+    retained works on a copy of the logits, one compiled without it is handed them as a donated
+    buffer (no copy) and refuses retain_graph.
+    The lean backward gets a fresh empty tensor, never a saved one: its declared mutation must not
+    bump a saved tensor's version either."""
+
+    @staticmethod
+    def setup(ctx, keep_logits: bool) -> None:
+        ctx.keep_logits, ctx.kept_logits_used = bool(keep_logits), False
+
+    @staticmethod
+    def claim(ctx) -> None:
+        if not ctx.keep_logits:
+            return
+        if ctx.kept_logits_used:
+            raise RuntimeError("torch_bridge.linear_logp: a second backward through the same graph with "
+                               "backward='fast': its kept logits were consumed by the first backward. Pass "
+                               "backward='lean' to backpropagate through one forward more than once.")
+        ctx.kept_logits_used = True
+
+    @staticmethod
+    def for_backward(ctx, saved: Tensor) -> Tensor:
+        return saved if ctx.keep_logits else saved.new_empty((0,))
 
 
-def _backward_rule(ctx, g_logp, g_ent, g_lse):
-    hidden, weight, bias, targets, temperature, lse, ent = ctx.saved_tensors
-    real_vocab, chunk, ignore_index, with_entropy = ctx.cfg
-    g = torch.zeros_like(lse) if g_logp is None else g_logp
-    e = None
-    if with_entropy:
-        e = torch.zeros_like(lse) if g_ent is None else g_ent
-    dh, dw, db, dtemp = torch.ops.rlk.linear_logp_backward(
-        hidden, weight, bias, targets, temperature, lse, ent if with_entropy else None, g.contiguous(),
-        None if e is None else e.contiguous(), 0, real_vocab, chunk, ignore_index)
-    return dh.to(hidden.dtype), dw, (db if bias is not None else None), None, dtemp, None, None, None, None
+class LinearLogp(torch.autograd.Function):
+    """Autograd of rlk::linear_logp: (logp, entropy) of one shard holding the whole vocab.
 
+    An autograd.Function rather than register_autograd on the op: the fast backward mutates the
+    kept logits, and AOTAutograd (torch.compile, opcheck) cannot partition a graph whose backward
+    mutates a tensor the forward op returns to the caller (torch 2.13: "Node ... was invalid, but
+    is output"). Here the kept logits stay an intermediate of the Function, never an output."""
 
-linear_logp.register_autograd(_backward_rule, setup_context=_setup_context)
+    @staticmethod
+    def forward(ctx, hidden, weight, bias32, temperature, targets, real_vocab: int, chunk: int, ignore_index: int,
+                with_entropy: bool, keep_logits: bool):
+        logp, ent, lse, logits = torch.ops.rlk.linear_logp(hidden, weight, bias32, targets, temperature, real_vocab,
+                                                           chunk, ignore_index, with_entropy, keep_logits)
+        ctx.save_for_backward(hidden, weight, bias32, temperature, targets, lse, ent, logits)
+        ctx.cfg = (real_vocab, chunk, ignore_index, with_entropy)
+        KeptLogits.setup(ctx, keep_logits)
+        return logp, ent
+
+    @staticmethod
+    def backward(ctx, g, e):
+        KeptLogits.claim(ctx)
+        hidden, weight, bias32, temperature, targets, lse, ent, logits = ctx.saved_tensors
+        real_vocab, chunk, ignore_index, with_entropy = ctx.cfg
+        g = torch.zeros_like(lse) if g is None else g.contiguous()
+        if with_entropy:
+            e = torch.zeros_like(lse) if e is None else e.contiguous()
+        dh, dw, db, dtemp = torch.ops.rlk.linear_logp_backward(
+            hidden, weight, bias32, targets, temperature, lse, ent if with_entropy else None, g,
+            e if with_entropy else None, KeptLogits.for_backward(ctx, logits), 0, real_vocab, chunk, ignore_index)
+        return (dh.to(hidden.dtype), dw, (db if bias32 is not None else None), dtemp, None, None, None, None, None,
+                None)

@@ -6,6 +6,8 @@ per-chunk statistics placed at their global chunk offset in a zero [n, K, 3] ten
 all-reduced (SUM adds exact zeros, so every rank holds the same statistics), rlk::combine in the
 fixed chunk order (bitwise the same for TP = 1, 2, 4, 8), rlk::linear_logp_backward plus an
 all-reduce of dH (unless reduce_grad_hidden=False) and of the temperature gradient.
+Either way the backward is "fast" (reads logits the forward kept) or "lean" (recomputes them),
+resolved once per call by _args.resolve_backward.
 """
 from __future__ import annotations
 
@@ -14,9 +16,9 @@ from typing import Any
 
 import torch
 
-from . import _ops  # noqa: F401  (registers torch.ops.rlk.*)
+from . import _ops  # also registers torch.ops.rlk.*
 from . import reference, routes
-from ._args import Args, parse, unsupported, validate_targets as _validate_targets
+from ._args import Args, parse, resolve_backward, unsupported, validate_targets as _validate_targets
 
 F32 = torch.float32
 _I32_MIN, _I32_MAX = -(2 ** 31), 2 ** 31 - 1
@@ -24,7 +26,7 @@ _I32_MIN, _I32_MAX = -(2 ** 31), 2 ** 31 - 1
 
 def linear_logp(hidden, weight, targets, *, bias=None, temperature=1.0, ignore_index=-100, return_entropy=False,
                 vocab_start=None, real_vocab_size=None, tp_group=None, mode=None, reduce_grad_hidden=True,
-                validate_targets=True):
+                validate_targets=True, backward="auto", backward_memory_budget=None):
     """Selected-token log-probabilities (and optionally entropies) of `hidden @ weight.T (+ bias)`.
 
     hidden [..., H] (bf16, fp16 or fp32), weight [V, H] (same dtype), bias [V] (same dtype) or None,
@@ -40,10 +42,18 @@ def linear_logp(hidden, weight, targets, *, bias=None, temperature=1.0, ignore_i
     the padded global vocab V_local * world_size. dH is all-reduced over the group unless
     reduce_grad_hidden=False (for callers whose column-parallel region already reduces it).
     mode: "auto" (default, env RLK_MODE), "strict", "audit" or "off" (the reference).
+    backward: how the fused backward gets the logits. "lean" recomputes them chunk by chunk (small
+    workspace); "fast" has the forward keep this shard's logits [n, V_local] (fp16 for bf16/fp16
+    inputs, fp32 for fp32) until the backward, which reads them instead (on CUDA it overwrites
+    them: one backward per forward, retain_graph=True and a second backward raise);
+    "auto" (default) is fast when those bytes fit backward_memory_budget (bytes; None: env
+    RLK_BACKWARD_MEMORY_BUDGET, else 4 GiB), else lean. Nothing is kept when no gradient is needed.
     """
     mode = routes.resolve_mode(mode)
     a = parse(hidden, weight, targets, bias=bias, temperature=temperature, ignore_index=ignore_index,
               vocab_start=vocab_start, real_vocab_size=real_vocab_size, tp_group=tp_group)
+    keep_logits = resolve_backward(backward, a.n, a.weight.shape[0], a.hidden.dtype,
+                                   backward_memory_budget) == "fast" and _needs_grad(a)
     eager = not torch.compiler.is_compiling()
     if validate_targets and eager and not _capturing(a.hidden):
         _validate_targets(targets, a.real_vocab, a.ignore_index)
@@ -62,7 +72,7 @@ def linear_logp(hidden, weight, targets, *, bias=None, temperature=1.0, ignore_i
             routes.count_reference(n, reason)
         logp, ent = reference.rows(a, return_entropy, reduce_grad_hidden)
     else:
-        logp, ent = fused_rows(a, return_entropy, reduce_grad_hidden)
+        logp, ent = fused_rows(a, return_entropy, reduce_grad_hidden, keep_logits)
         if eager:
             routes.note_backend(a.hidden.device.type)
         if mode == "audit":
@@ -71,6 +81,12 @@ def linear_logp(hidden, weight, targets, *, bias=None, temperature=1.0, ignore_i
             routes.record_audit(logp, ref_logp)
     logp = logp.reshape(a.out_shape)
     return (logp, ent.reshape(a.out_shape)) if return_entropy else logp
+
+
+def _needs_grad(a: Args) -> bool:
+    """Whether this call's backward can run (only then are logits worth keeping)."""
+    ts = (a.hidden, a.weight, a.bias, a.temperature)
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in ts)
 
 
 def _capturing(t: torch.Tensor) -> bool:
@@ -87,16 +103,16 @@ def _int32_targets(t: torch.Tensor, ignore_index: int) -> torch.Tensor:
     return t.to(torch.int32)
 
 
-def fused_rows(a: Args, with_entropy: bool, reduce_grad_hidden: bool = True):
-    """logp and entropy ([n] f32; entropy zeros unless asked) through the compiled kernels."""
+def fused_rows(a: Args, with_entropy: bool, reduce_grad_hidden: bool = True, keep_logits: bool = False):
+    """logp and entropy ([n] f32; entropy zeros unless asked) through the compiled kernels;
+    keep_logits: the fast backward (the forward keeps this shard's logits for it)."""
     bias = None if a.bias is None else a.bias.to(F32)  # the kernels take the bias in fp32
     if a.tp_group is None:
-        logp, ent, _ = torch.ops.rlk.linear_logp(a.hidden, a.weight, bias, a.targets, a.temperature, a.real_vocab,
-                                                 a.chunk, a.ignore_index, with_entropy)
-        return logp, ent
+        return _ops.LinearLogp.apply(a.hidden, a.weight, bias, a.temperature, a.targets, a.real_vocab, a.chunk,
+                                     a.ignore_index, with_entropy, keep_logits)
     cfg = _TPConfig(vocab_start=a.vocab_start, real_vocab=a.real_vocab, v_global=a.v_global, chunk=a.chunk,
                     ignore_index=a.ignore_index, with_entropy=with_entropy, group=a.tp_group,
-                    reduce_grad_hidden=reduce_grad_hidden)
+                    reduce_grad_hidden=reduce_grad_hidden, keep_logits=keep_logits)
     return _VocabParallel.apply(a.hidden, a.weight, bias, a.temperature, a.targets, cfg)
 
 
@@ -110,13 +126,16 @@ class _TPConfig:
     with_entropy: bool
     group: Any
     reduce_grad_hidden: bool
+    keep_logits: bool
 
 
 def tp_forward(hidden, weight, bias32, temperature, targets, cfg: _TPConfig):
-    """(logp, lse, entropy) of one rank's shard, the statistics combined over cfg.group."""
+    """(logp, lse, entropy) of one rank's shard, the statistics combined over cfg.group, and the
+    shard's kept logits ([0] unless cfg.keep_logits)."""
     import torch.distributed as dist
-    stats, tl = torch.ops.rlk.forward_stats(hidden, weight, bias32, targets, temperature, cfg.vocab_start,
-                                            cfg.real_vocab, cfg.chunk, cfg.ignore_index, cfg.with_entropy)
+    stats, tl, logits = torch.ops.rlk.forward_stats(hidden, weight, bias32, targets, temperature, cfg.vocab_start,
+                                                    cfg.real_vocab, cfg.chunk, cfg.ignore_index, cfg.with_entropy,
+                                                    cfg.keep_logits)
     n, k_local, w = stats.shape
     off = cfg.vocab_start // cfg.chunk
     full = stats.new_zeros((n, cfg.v_global // cfg.chunk, w))
@@ -124,30 +143,33 @@ def tp_forward(hidden, weight, bias32, temperature, targets, cfg: _TPConfig):
     # O(n * chunks) floats: every rank ends with the same statistics (sums of one value and zeros).
     dist.all_reduce(full, op=dist.ReduceOp.SUM, group=cfg.group)
     dist.all_reduce(tl, op=dist.ReduceOp.SUM, group=cfg.group)
-    return torch.ops.rlk.combine(full, tl, targets, cfg.real_vocab, cfg.ignore_index)
+    return (*torch.ops.rlk.combine(full, tl, targets, cfg.real_vocab, cfg.ignore_index), logits)
 
 
 class _VocabParallel(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias32, temperature, targets, cfg: _TPConfig):
-        logp, lse, ent = tp_forward(hidden, weight, bias32, temperature, targets, cfg)
+        logp, lse, ent, logits = tp_forward(hidden, weight, bias32, temperature, targets, cfg)
         if not cfg.with_entropy:
             ent = torch.zeros_like(logp)
-        ctx.save_for_backward(hidden, weight, bias32, temperature, targets, lse, ent)
+        ctx.save_for_backward(hidden, weight, bias32, temperature, targets, lse, ent, logits)
         ctx.cfg = cfg
+        _ops.KeptLogits.setup(ctx, cfg.keep_logits)
         return logp, ent
 
     @staticmethod
     def backward(ctx, g, e):
         import torch.distributed as dist
-        hidden, weight, bias32, temperature, targets, lse, ent = ctx.saved_tensors
+        _ops.KeptLogits.claim(ctx)
+        hidden, weight, bias32, temperature, targets, lse, ent, logits = ctx.saved_tensors
         cfg = ctx.cfg
         g = torch.zeros_like(lse) if g is None else g.contiguous()
         if cfg.with_entropy:
             e = torch.zeros_like(lse) if e is None else e.contiguous()
         dh, dw, db, dtemp = torch.ops.rlk.linear_logp_backward(
             hidden, weight, bias32, targets, temperature, lse, ent if cfg.with_entropy else None, g,
-            e if cfg.with_entropy else None, cfg.vocab_start, cfg.real_vocab, cfg.chunk, cfg.ignore_index)
+            e if cfg.with_entropy else None, _ops.KeptLogits.for_backward(ctx, logits), cfg.vocab_start,
+            cfg.real_vocab, cfg.chunk, cfg.ignore_index)
         if cfg.reduce_grad_hidden and ctx.needs_input_grad[0]:
             dist.all_reduce(dh, op=dist.ReduceOp.SUM, group=cfg.group)
         if ctx.needs_input_grad[3]:

@@ -12,6 +12,8 @@ our provider reports itself unavailable for the request (no context, unsupported
 a chunk size other than ours) -- an error raised inside our kernels propagates; strict = our
 kernels or an error: unavailability, malformed output, detached gradients or a route mismatch
 raise; audit = ours returned, native computed alongside and |dlogp| recorded.
+request.backward picks our kernels' backward strategy (linear_logp's `backward`: "auto", the
+default, within env RLK_BACKWARD_MEMORY_BUDGET; "fast"; "lean"); the native path ignores it.
 """
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ from typing import Any, Optional, Union
 import torch
 
 from . import _dist, reference, routes
-from ._args import chunk_of, unsupported
+from ._args import BACKWARDS, chunk_of, unsupported
 from .linear_logp import linear_logp
 
 CONTRACT_ID = "rlk.linear_logp/v1"
@@ -165,6 +167,7 @@ class LinearLogpRequest:
     temperature: Union[float, torch.Tensor, None] = None
     chunk_size: Optional[int] = None
     metadata: dict = dataclasses.field(default_factory=dict)
+    backward: str = "auto"  # our kernels' backward strategy: "auto", "fast" or "lean" (see linear_logp)
 
     def __post_init__(self):
         t = self.target_ids
@@ -239,6 +242,8 @@ class LinearLogpRequest:
             _int(self.chunk_size, "chunk_size", 1)
         if not isinstance(self.metadata, dict):
             raise ValueError(f"metadata must be a dict, got {type(self.metadata).__name__}")
+        if self.backward not in BACKWARDS:
+            raise ValueError(f"backward must be one of {BACKWARDS}, got {self.backward!r}")
 
     @property
     def num_tokens(self) -> int:
@@ -380,7 +385,8 @@ def _ours(request: LinearLogpRequest):
                       return_entropy=request.with_entropy, vocab_start=vp.local_start if group is not None else None,
                       real_vocab_size=vp.real_size, tp_group=group, mode="strict",
                       reduce_grad_hidden=_reduce_grad_hidden(request),
-                      validate_targets=bool(request.metadata.get("validate_targets", True)))
+                      validate_targets=bool(request.metadata.get("validate_targets", True)),
+                      backward=request.backward)
     logp, ent = out if request.with_entropy else (out, None)
     return _finish(request, logp, ent)
 
@@ -426,7 +432,7 @@ def _provenance(request, mode, route, reason, **extra):
         tp = dist.get_world_size(group)
     p = {"mode": mode, "route": route, "fallback_reason": reason, "tp_size": tp,
          "token_layout": dataclasses.astuple(request.token_layout), "tokens": request.num_tokens,
-         "with_entropy": request.with_entropy, "metadata": dict(request.metadata)}
+         "with_entropy": request.with_entropy, "backward": request.backward, "metadata": dict(request.metadata)}
     if c is not None:
         vp = c.vocab_partition
         p.update(dtype=str(c.hidden.dtype).replace("torch.", ""), device=str(c.hidden.device),

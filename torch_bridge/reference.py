@@ -17,8 +17,9 @@ F32 = torch.float32
 
 def linear_logp(hidden, weight, targets, *, bias=None, temperature=1.0, ignore_index=-100, return_entropy=False,
                 vocab_start=None, real_vocab_size=None, tp_group=None, mode=None, reduce_grad_hidden=True,
-                validate_targets=False):
-    del mode, validate_targets  # accepted for signature parity; out-of-range ids give NaN rows here
+                validate_targets=False, backward="auto", backward_memory_budget=None):
+    # accepted for signature parity; out-of-range ids give NaN rows here, autograd does the backward
+    del mode, validate_targets, backward, backward_memory_budget
     a = parse(hidden, weight, targets, bias=bias, temperature=temperature, ignore_index=ignore_index,
               vocab_start=vocab_start, real_vocab_size=real_vocab_size, tp_group=tp_group)
     logp, ent = rows(a, return_entropy, reduce_grad_hidden=reduce_grad_hidden)

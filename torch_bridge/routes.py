@@ -111,14 +111,18 @@ def record_audit(ours: torch.Tensor, ref: torch.Tensor) -> dict:
     return _audit.record(ours, ref)
 
 
+COUNT_NAMES = ("fwd_calls", "fwd_tokens", "bwd_calls", "bwd_tokens", "bwd_fast_calls")
+
+
 def backend_counts() -> dict:
-    return {name: dict(zip(("fwd_calls", "fwd_tokens", "bwd_calls", "bwd_tokens"), counts))
-            for name, counts in core.route_counts().items()}
+    return {name: dict(zip(COUNT_NAMES, counts)) for name, counts in core.route_counts().items()}
 
 
 def route_stats() -> dict:
     """Counters since the last reset:
-    - backends: fused kernel executions per backend (cpu, cuda_sm90, cuda_portable), counted in C++;
+    - backends: fused kernel executions per backend (cpu, cuda_sm90, cuda_portable, ...), counted in
+      C++: fwd_calls, fwd_tokens, bwd_calls, bwd_tokens and bwd_fast_calls (backwards that read
+      kept logits, backward="fast");
     - reference: calls/tokens of the reference path (mode off and fallbacks);
     - fallbacks: {reason: count}, fallback_total;
     - calls / tokens: all linear_logp forward calls (fused forward kernel calls + reference calls);
