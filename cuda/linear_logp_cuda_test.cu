@@ -478,6 +478,7 @@ int main(int argc, char** argv) {
     add({127, 64, vodd, DType::kBF16, true, true, 13, true, 5, 68, false, true});
     add({300, 128, 24576, DType::kF16, false, true, 7, true, -1, -1, true});
     add({300, 72, 1000, DType::kBF16, true, false, 3, true, -1, -1, false});
+    add({3, 256, 1000, DType::kBF16, true, true, 0, true, -1, -1, false});  // odd chunk (125): odd tile starts
   }
   if (!tiny) {
   for (DType dt : {DType::kBF16, DType::kF16, DType::kF32}) {
@@ -485,6 +486,7 @@ int main(int argc, char** argv) {
     add({3, 2048, 151936, dt, false, true, 100, true, -1, -1, true});
   }
   add({1, 64, 151936, DType::kBF16, true, false, 0, true, -1, -1, true});
+  add({127, 256, 1000, DType::kBF16, true, true, 0, true, 5, 68, true});  // odd chunk (125): odd tile starts
   add({127, 2048, vodd, DType::kBF16, false, true, 0, true, 5, 68, false});
   add({127, 2048, 151936, DType::kF16, true, true, 36, true, 5, 68, true});
   add({127, 64, vodd, DType::kBF16, true, true, 13, true, 5, 68, false, true});      // portable kernel forced

@@ -131,7 +131,9 @@ struct Params {
 // The tile's z (this thread's two rows; d holds z * log2e) as fp16 kept logits, clamped.
 __device__ __forceinline__ void store_kept(const float* d, int64_t t0, int64_t col_end, const Params& P, int64_t rowA) {
   const int cq = 2 * (threadIdx.x % 4);
-  const bool pairs = (P.ldk & 1) == 0;  // 4-byte stores need an even row stride
+  // 4-byte stores need an even offset: an even row stride and an even tile start (a canonical
+  // chunk, hence a split and its tiles, may start at an odd column)
+  const bool pairs = ((P.ldk | t0) & 1) == 0;
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int64_t row = rowA + 8 * r;
