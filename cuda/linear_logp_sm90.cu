@@ -128,27 +128,63 @@ struct Params {
 // ---- epilogue: fold one 64x256 accumulator tile into the two rows' running statistics ----------
 // Lane l of warp w (in its warpgroup) holds rows w*16 + l/4 (values d[4j], d[4j+1]) and +8
 // (d[4j+2], d[4j+3]) at columns 8j + 2(l%4) + {0,1}, j = 0..31.
-// The tile's z (this thread's two rows; d holds z * log2e) as fp16 kept logits, clamped.
+// Kept logits: fp16 of z (d holds z * log2e), clamped to +-kMaxKeptLogit; two columns as a word.
+__device__ __forceinline__ uint32_t kept_pair(float a, float b) {
+  const __half2 h = __floats2half2_rn(fminf(fmaxf(a * kLn2, -kMaxKeptLogit), kMaxKeptLogit),
+                                      fminf(fmaxf(b * kLn2, -kMaxKeptLogit), kMaxKeptLogit));
+  return *reinterpret_cast<const uint32_t*>(&h);
+}
+__device__ __forceinline__ uint32_t pick4(int i, uint32_t a, uint32_t b, uint32_t c, uint32_t d) {
+  return i == 0 ? a : i == 1 ? b : i == 2 ? c : d;  // selects: no dynamically indexed registers
+}
+
+// The tile's z (this thread's two rows) as fp16 kept logits. A quad of lanes holds a row's 8-column
+// group j two columns per lane (columns 8j + 2q, q = lane % 4). Over four groups a 4x4 exchange of
+// words inside the quad hands lane q all 8 columns of group 4g + q, so a warp stores 64-byte row
+// segments with 16-byte stores (instead of 16-byte segments with 4-byte stores), which keeps the
+// consumers' store traffic off the critical path. The exchange runs on every lane (shuffles need
+// the whole warp); only the stores are predicated on the row and column bounds.
 __device__ __forceinline__ void store_kept(const float* d, int64_t t0, int64_t col_end, const Params& P, int64_t rowA) {
-  const int cq = 2 * (threadIdx.x % 4);
-  // 4-byte stores need an even offset: an even row stride and an even tile start (a canonical
-  // chunk, hence a split and its tiles, may start at an odd column)
-  const bool pairs = ((P.ldk | t0) & 1) == 0;
+  const int q = threadIdx.x % 4;
+  const int quad = threadIdx.x & 31 & ~3;
+  const bool vec = ((P.ldk | t0) & 7) == 0;  // 16-byte aligned groups (a chunk may start anywhere)
+  const int lim = int(min(col_end - t0, int64_t(kBN)));  // columns of this tile to write
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int64_t row = rowA + 8 * r;
-    if (row >= P.rows) continue;
-    __half* out = P.kept + row * P.ldk;
+    const bool live = row < P.rows;
+    __half* out = P.kept + (live ? row : 0) * P.ldk + t0;  // 32-bit column offsets from here
+    if (vec) {
 #pragma unroll
-    for (int j = 0; j < 32; ++j) {
-      const int64_t col = t0 + 8 * j + cq;
-      const float z0 = fminf(fmaxf(d[4 * j + 2 * r] * kLn2, -kMaxKeptLogit), kMaxKeptLogit);
-      const float z1 = fminf(fmaxf(d[4 * j + 2 * r + 1] * kLn2, -kMaxKeptLogit), kMaxKeptLogit);
-      if (pairs && col + 1 < col_end) {
-        *reinterpret_cast<__half2*>(out + col) = __floats2half2_rn(z0, z1);
-      } else {
-        if (col < col_end) out[col] = __float2half_rn(z0);
-        if (col + 1 < col_end) out[col + 1] = __float2half_rn(z1);
+      for (int g = 0; g < 8; ++g) {
+        uint32_t v[4], w[4] = {0u, 0u, 0u, 0u};
+#pragma unroll
+        for (int k = 0; k < 4; ++k) v[k] = kept_pair(d[4 * (4 * g + k) + 2 * r], d[4 * (4 * g + k) + 2 * r + 1]);
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+          // round k: lane q reads lane p = (q + k) % 4, which sends its word of group 4g + q
+          const int p = (q + k) & 3;
+          const uint32_t got = __shfl_sync(0xffffffffu, pick4((q - k) & 3, v[0], v[1], v[2], v[3]), quad | p);
+#pragma unroll
+          for (int i = 0; i < 4; ++i) w[i] = i == p ? got : w[i];
+        }
+        const int c = 8 * (4 * g + q);
+        if (live && c + 8 <= lim) {
+          *reinterpret_cast<uint4*>(out + c) = make_uint4(w[0], w[1], w[2], w[3]);
+        } else if (live) {
+          const __half* hw = reinterpret_cast<const __half*>(w);
+          for (int i = 0; i < 8; ++i)
+            if (c + i < lim) out[c + i] = hw[i];
+        }
+      }
+    } else if (live) {
+#pragma unroll
+      for (int j = 0; j < 32; ++j) {
+        const int c = 8 * j + 2 * q;
+        const uint32_t x = kept_pair(d[4 * j + 2 * r], d[4 * j + 2 * r + 1]);
+        const __half* hx = reinterpret_cast<const __half*>(&x);
+        if (c < lim) out[c] = hx[0];
+        if (c + 1 < lim) out[c + 1] = hx[1];
       }
     }
   }
