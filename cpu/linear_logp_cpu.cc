@@ -8,7 +8,7 @@
 //
 // Order of every reduction is fixed by shapes alone:
 //   forward   unit = (row block, chunk); tiles of the chunk from its first column, in order.
-//   backward  pass 1 (dH, dzz): unit = row block, all tiles in vocab order.
+//   backward  pass 1 (dH, dT): unit = row block, all tiles in vocab order.
 //             pass 2 (dW, db):  unit = vocab tile, all row blocks in row order.
 // The lean backward recomputes logits in both passes (four GEMM-equivalents in all), which keeps
 // the threads' outputs disjoint with no fp32 [v, h] or [n, v] scratch; the fast one reads them
@@ -138,7 +138,7 @@ void forward_unit(const Problem& p, const FwdArgs& a, const float* ap, int64_t b
     float tmp[kLanes];
     for (int l = 0; l < kLanes; ++l) {
       const int64_t r = r0 + rv * kLanes + l;
-      tmp[l] = r < p.n ? a.inv_temp[r] : 1.f;
+      tmp[l] = r < p.n ? reciprocal(a.temperature[r]) : 1.f;
     }
     inv_temp[rv] = load16(tmp);
     m[rv] = splat(-INFINITY);
@@ -208,7 +208,7 @@ void target_logits(const Problem& p, const FwdArgs& a) {
       float acc = 0.f;
       for (int64_t k = 0; k < p.h; ++k) acc = std::fma(hrow[k], wrow[k], acc);
       const float b = p.has_bias ? a.bias[t - p.vocab_start] : 0.f;
-      a.target_logit[r] = (acc + b) * a.inv_temp[r];
+      a.target_logit[r] = (acc + b) * reciprocal(a.temperature[r]);
     }
   });
 }
@@ -222,7 +222,7 @@ void load_row_block(const Problem& p, const BwdArgs& a, int64_t blk, RowBlock& r
       const bool in = r < p.n;
       const int64_t t = in ? a.targets[r] : p.ignore_index;
       const bool act = in && classify_target(t, p.real_vocab, p.ignore_index) == TargetKind::kValid;
-      rb.inv_temp[rv][l] = in ? a.inv_temp[r] : 1.f;
+      rb.inv_temp[rv][l] = in ? reciprocal(a.temperature[r]) : 1.f;
       rb.lse[rv][l] = act ? a.lse[r] : 0.f;
       rb.ent[rv][l] = act && a.entropy ? a.entropy[r] : 0.f;
       rb.g[rv][l] = act ? a.g[r] : 0.f;
@@ -269,7 +269,7 @@ struct BwdScratch {
   std::vector<float> dwt, dt, row;  // pass 2: dW^T [h][kTileV], dlogit^T [kBlock][kTileV], a dW row [h]
 };
 
-// Pass 1: dH and dzz of one row block, over the whole local vocab in order.
+// Pass 1: dH and dT of one row block, over the whole local vocab in order.
 void dhidden_unit(const Problem& p, const BwdArgs& a, const float* ap, int64_t blk, BwdScratch& s) {
   RowBlock rb;
   load_row_block(p, a, blk, rb);
@@ -314,7 +314,7 @@ void dhidden_unit(const Problem& p, const BwdArgs& a, const float* ap, int64_t b
     const int64_t r = blk * kBlock + i;
     if (r >= p.n) break;
     std::copy(s.dh.begin() + i * p.h, s.dh.begin() + (i + 1) * p.h, a.dhidden + r * p.h);
-    a.dzz[r] = dzz[i / kLanes][i % kLanes];
+    if (a.dtemp) a.dtemp[r] = -rb.inv_temp[i / kLanes][i % kLanes] * dzz[i / kLanes][i % kLanes];
   }
 }
 

@@ -1,5 +1,5 @@
 // The CUDA backward, two strategies over the same three pieces:
-//   dlogit   one memory-bound pass over z: dlogit = dz * inv_temp (dtype), dzz per row (one block
+//   dlogit   one memory-bound pass over z: dlogit = dz * inv_temp (dtype), dT per row (one block
 //            per row, fixed reduction tree) and, with a bias, db by column sums in row order;
 //   dH = dlogit W (fp32 out) and dW = dlogit^T H (dtype out): cuBLAS GEMMs (blas.h says why).
 // fast  z comes from the forward's kept logits [n, v] (FwdArgs::logits); dlogit overwrites them in
@@ -40,9 +40,10 @@ struct DlogitParams {
   int64_t real_vocab, ignore_index;
   const float* bias;            // raw only: of column 0, or null
   const int32_t* targets;       // per row (row 0 = this launch's first row), as are the next six
-  const float *inv_temp, *lse, *ent, *g, *e;  // ent, e may be null
-  float* dzz;                   // per row, or null
-  bool dzz_add;                 // accumulate onto dzz (pieces after the first)
+  const float *temperature, *lse, *ent, *g, *e;  // ent, e may be null
+  float* dtemp;                 // per row, or null: sum_j dz z accumulates here over the pieces,
+  bool dzz_add;                 // (pieces after the first add to it)
+  bool dtemp_last;              // and the last piece turns it into dT = -inv_temp * sum
   bool vec;                     // z and dlog rows are 16-byte aligned with ldz, ldd % 8 == 0
 };
 
@@ -78,7 +79,7 @@ __global__ void __launch_bounds__(kRowThreads) dlogit_kernel(DlogitParams q) {
   const int64_t row = blockIdx.x;
   const int64_t t = q.targets[row];
   const bool active = classify_target(t, q.real_vocab, q.ignore_index) == TargetKind::kValid;
-  const float it = q.inv_temp[row];
+  const float it = reciprocal(q.temperature[row]);
   const float lse = active ? q.lse[row] : 0.f, g = active ? q.g[row] : 0.f;
   const float ent = active && q.ent ? q.ent[row] : 0.f, e = active && q.e ? q.e[row] : 0.f;
   const ZT* zr = static_cast<const ZT*>(q.z) + row * q.ldz;
@@ -108,14 +109,17 @@ __global__ void __launch_bounds__(kRowThreads) dlogit_kernel(DlogitParams q) {
       for (int k = 0; k < kVec; ++k)
         if (c0 + k < q.cols) dr[c0 + k] = from_f<T>(x[k]);
   }
-  if (!q.dzz) return;
+  if (!q.dtemp) return;
   red[threadIdx.x] = dzz;  // fixed-shape tree: the same order for every row and every run
   __syncthreads();
   for (int s = kRowThreads / 2; s > 0; s >>= 1) {
     if (int(threadIdx.x) < s) red[threadIdx.x] += red[threadIdx.x + s];
     __syncthreads();
   }
-  if (threadIdx.x == 0) q.dzz[row] = (q.dzz_add ? q.dzz[row] : 0.f) + red[0];
+  if (threadIdx.x == 0) {
+    const float sum = (q.dzz_add ? q.dtemp[row] : 0.f) + red[0];
+    q.dtemp[row] = q.dtemp_last ? -it * sum : sum;
+  }
 }
 
 // db[c] (+)= sum over rows, in row order, of dlog[r, c]: one thread per column.
@@ -145,12 +149,12 @@ DlogitParams row_params(const Problem& p, const BwdArgs& a, int64_t r0) {
   q.real_vocab = p.real_vocab;
   q.ignore_index = p.ignore_index;
   q.targets = a.targets + r0;
-  q.inv_temp = a.inv_temp + r0;
+  q.temperature = a.temperature + r0;
   q.lse = a.lse + r0;
   q.g = a.g + r0;
   q.ent = p.with_entropy && a.entropy ? a.entropy + r0 : nullptr;
   q.e = p.with_entropy && a.e ? a.e + r0 : nullptr;
-  q.dzz = a.dzz ? a.dzz + r0 : nullptr;
+  q.dtemp = a.dtemp ? a.dtemp + r0 : nullptr;
   return q;
 }
 
@@ -177,6 +181,7 @@ Status backward_fast(const Problem& p, const BwdArgs& a, Workspace ws, cudaStrea
   q.z = a.logits; q.ldz = p.v;
   q.dlog = a.logits; q.ldd = p.v;
   q.cols = p.v; q.col0 = p.vocab_start;
+  q.dtemp_last = true;
   if (Status s = launch_dlogit<ZT, T>(q, p.n, st)) return s;
   if (p.has_bias && a.dbias)
     if (Status s = launch_colsum<T>(a.logits, p.v, p.n, p.v, a.dbias, false, st)) return s;
@@ -245,6 +250,7 @@ Status backward_lean(const Problem& p, const BwdArgs& a, Workspace ws, cudaStrea
       q.raw = true;
       q.bias = p.has_bias ? a.bias + p0 : nullptr;
       q.dzz_add = p0 > 0;
+      q.dtemp_last = p0 + L.P >= p.v;
       if (Status s = launch_dlogit<float, T>(q, rn, st)) return s;
       if (p.has_bias && a.dbias)
         if (Status s = launch_colsum<T>(dlog, L.P, rn, pw, a.dbias + p0, pass > 0, st)) return s;

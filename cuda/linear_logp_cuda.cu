@@ -77,7 +77,7 @@ template <typename T> __device__ __forceinline__ Kept<T> kept_of(float z) {
 template <typename T>
 __global__ void __launch_bounds__(kThreads) fwd_split_kernel(
     const T* __restrict__ hidden, const T* __restrict__ weight, const float* __restrict__ bias,
-    const float* __restrict__ inv_temp, float* __restrict__ part, Kept<T>* __restrict__ kept, int64_t rows,
+    const float* __restrict__ temperature, float* __restrict__ part, Kept<T>* __restrict__ kept, int64_t rows,
     int64_t h, int64_t chunk, int64_t spc, int64_t nsplit, int64_t vocab_start, int64_t real_vocab, int64_t v) {
   extern __shared__ __align__(128) unsigned char smem[];
   float* Cs = reinterpret_cast<float*>(smem);
@@ -94,7 +94,7 @@ __global__ void __launch_bounds__(kThreads) fwd_split_kernel(
   for (int rr = 0; rr < 16; ++rr) {
     rm[rr] = -INFINITY; rs[rr] = 0.f; ra[rr] = 0.f;
     const int64_t row = r0 + warp * 16 + rr;
-    itemp[rr] = row < rows ? inv_temp[row] : 1.f;
+    itemp[rr] = row < rows ? reciprocal(temperature[row]) : 1.f;
   }
   for (int64_t t0 = col0; t0 < col_end; t0 += kBN) {
     gemm_tile<T, true, true>(hidden + r0 * h, h, rows - r0, weight + t0 * h, h, col_end - t0, h, smem, Cs);
@@ -169,7 +169,7 @@ __global__ void finalize_kernel(const float* __restrict__ part, float* __restric
 template <typename T>
 __global__ void target_logit_kernel(const T* __restrict__ hidden, const T* __restrict__ weight,
                                     const float* __restrict__ bias, const int32_t* __restrict__ targets,
-                                    const float* __restrict__ inv_temp, float* __restrict__ out, int64_t n,
+                                    const float* __restrict__ temperature, float* __restrict__ out, int64_t n,
                                     int64_t h, int64_t v, int64_t vocab_start, int64_t real_vocab,
                                     int64_t ignore_index) {
   const int64_t row = int64_t(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
@@ -187,7 +187,7 @@ __global__ void target_logit_kernel(const T* __restrict__ hidden, const T* __res
   float acc = 0.f;
   for (int64_t k = lane; k < h; k += 32) acc = fmaf(to_f(hr[k]), to_f(wr[k]), acc);
   acc = warp_sum(acc);
-  if (lane == 0) out[row] = (acc + (bias ? bias[loc] : 0.f)) * inv_temp[row];
+  if (lane == 0) out[row] = (acc + (bias ? bias[loc] : 0.f)) * reciprocal(temperature[row]);
 }
 
 __global__ void combine_kernel(CombineArgs a) {
@@ -206,12 +206,12 @@ template <typename K> cudaError_t set_smem(K kernel, size_t bytes) {
 
 template <typename T>
 Status forward_portable_partials(const Problem& p, const T* hidden, int64_t rows, const T* weight,
-                                 const float* bias, const float* inv_temp, float* part, void* kept, cudaStream_t st) {
+                                 const float* bias, const float* temperature, float* part, void* kept, cudaStream_t st) {
   constexpr size_t smem = GemmSmem<T, true, true>::BYTES;
   // Set on every call (cheap, host-only, legal under stream capture): the attribute is per device.
   if (set_smem(fwd_split_kernel<T>, smem) != cudaSuccess) return "rlk cuda: cudaFuncSetAttribute failed (forward)";
   const dim3 grid(unsigned((rows + kBM - 1) / kBM), unsigned(total_splits(p)));
-  fwd_split_kernel<T><<<grid, kThreads, smem, st>>>(hidden, weight, bias, inv_temp, part, static_cast<Kept<T>*>(kept),
+  fwd_split_kernel<T><<<grid, kThreads, smem, st>>>(hidden, weight, bias, temperature, part, static_cast<Kept<T>*>(kept),
                                                     rows, p.h, p.chunk, splits_per_chunk(p.chunk), total_splits(p),
                                                     p.vocab_start, p.real_vocab, p.v);
   RLK_CHECK_LAUNCH("rlk cuda: forward kernel launch failed");
@@ -234,16 +234,16 @@ Status forward_t(const Problem& p, const FwdArgs& a, Workspace ws, cudaStream_t 
     void* kept = a.logits ? static_cast<Kept<T>*>(a.logits) + r0 * p.v : nullptr;
 #if RLK_HAVE_SM90
     if (be == Backend::kCudaSm90) {
-      s = sm90_forward_partials(p, H + r0 * p.h, rows, a.weight, B, a.inv_temp + r0, part, kept, st);
+      s = sm90_forward_partials(p, H + r0 * p.h, rows, a.weight, B, a.temperature + r0, part, kept, st);
       if (s == kSm90Misaligned) {  // TMA needs 16-byte aligned bases: the portable kernel takes it
         be = Backend::kCudaPortable;
         if (ran) *ran = be;
-        s = forward_portable_partials<T>(p, H + r0 * p.h, rows, W, B, a.inv_temp + r0, part, kept, st);
+        s = forward_portable_partials<T>(p, H + r0 * p.h, rows, W, B, a.temperature + r0, part, kept, st);
       }
     } else
 #endif
     {
-      s = forward_portable_partials<T>(p, H + r0 * p.h, rows, W, B, a.inv_temp + r0, part, kept, st);
+      s = forward_portable_partials<T>(p, H + r0 * p.h, rows, W, B, a.temperature + r0, part, kept, st);
     }
     if (s) return s;
     const int64_t tot = rows * K;
@@ -251,7 +251,7 @@ Status forward_t(const Problem& p, const FwdArgs& a, Workspace ws, cudaStream_t 
                                                                  splits_per_chunk(p.chunk));
     RLK_CHECK_LAUNCH("rlk cuda: finalize kernel launch failed");
   }
-  target_logit_kernel<T><<<unsigned((p.n + 7) / 8), 256, 0, st>>>(H, W, B, a.targets, a.inv_temp, a.target_logit,
+  target_logit_kernel<T><<<unsigned((p.n + 7) / 8), 256, 0, st>>>(H, W, B, a.targets, a.temperature, a.target_logit,
                                                                    p.n, p.h, p.v, p.vocab_start, p.real_vocab,
                                                                    p.ignore_index);
   RLK_CHECK_LAUNCH("rlk cuda: target logit kernel launch failed");

@@ -111,7 +111,7 @@ struct DevBuf {
 struct Inputs {
   Problem p;
   const void* hidden; const void* weight; const float* bias;
-  const int32_t* targets; const float* inv_temp; const float* g; const float* e;
+  const int32_t* targets; const float* temperature; const float* g; const float* e;
 };
 struct Outputs {
   std::vector<float> stats, tlogit, logp, lse, ent, dh, db, dzz;
@@ -133,7 +133,7 @@ static Outputs run_once(const Inputs& in, bool bwd, bool fast) {
   kept.poison();
   FwdArgs fa;
   fa.hidden = in.hidden; fa.weight = in.weight; fa.bias = in.bias; fa.targets = in.targets;
-  fa.inv_temp = in.inv_temp; fa.stats = stats.as<float>(); fa.target_logit = tl.as<float>(); fa.logits = kept.p;
+  fa.temperature = in.temperature; fa.stats = stats.as<float>(); fa.target_logit = tl.as<float>(); fa.logits = kept.p;
   CKS(cuda::forward(p, fa, {fws.p, fws.bytes}, 0, &o.fwd_be));
   if (kept.p) {
     if (kb == 4) { for (float x : kept.get<float>(size_t(p.n) * p.v)) o.kept_written &= !std::isnan(x); }
@@ -153,10 +153,10 @@ static Outputs run_once(const Inputs& in, bool bwd, bool fast) {
   dh.poison(); dw.poison(); db.poison(); dzz.poison(); bws.poison();
   BwdArgs ba;
   ba.hidden = in.hidden; ba.weight = in.weight; ba.bias = in.bias; ba.targets = in.targets;
-  ba.inv_temp = in.inv_temp; ba.lse = lse.as<float>(); ba.entropy = p.with_entropy ? ent.as<float>() : nullptr;
+  ba.temperature = in.temperature; ba.lse = lse.as<float>(); ba.entropy = p.with_entropy ? ent.as<float>() : nullptr;
   ba.g = in.g; ba.e = p.with_entropy ? in.e : nullptr;
   ba.dhidden = dh.as<float>(); ba.dweight = dw.p; ba.dbias = p.has_bias ? db.as<float>() : nullptr;
-  ba.dzz = dzz.as<float>(); ba.logits = kept.p;
+  ba.dtemp = dzz.as<float>(); ba.logits = kept.p;
   CKS(cuda::backward(p, ba, {bws.p, bws.bytes}, 0));
   CK(cudaDeviceSynchronize());
   o.dh = dh.get<float>(size_t(p.n) * p.h);
@@ -231,6 +231,7 @@ static void run_case(const Case& c, uint64_t seed) {
     if (c.bias) CK(cudaMemcpy(bb.data(), B.p, c.v * 4, cudaMemcpyDeviceToHost));
   }
   std::vector<float> it = IT.get<float>(c.n), gg = G.get<float>(c.n), ee = E.get<float>(c.n);
+  for (float& x : it) x = 1.f / x;  // IT holds temperatures; the kernels' reciprocal rounds the same
 
   // sampled rows and columns
   std::vector<int64_t> rows, cols;
@@ -283,7 +284,7 @@ static void run_case(const Case& c, uint64_t seed) {
         for (int64_t k = 0; k < c.h; ++k) dh[k] += dl * w[k];
       }
     }
-    r_dzz[ri] = dzz; d_dzz[ri] = o.dzz[i];
+    r_dzz[ri] = -dzz * it[i]; d_dzz[ri] = o.dzz[i];  // dT = -inv_temp * sum dz z
     for (int64_t k = 0; k < c.h; ++k) { r_dh[ri * c.h + k] = dh[k]; d_dh[ri * c.h + k] = o.dh[i * c.h + k]; }
   });
   Row row;
@@ -355,7 +356,7 @@ static void run_case(const Case& c, uint64_t seed) {
     const int64_t a0 = c.sub0, m = c.sub1 - c.sub0, K = num_chunks(p);
     s.p.n = m;
     s.hidden = (const uint8_t*)in.hidden + a0 * c.h * eb;
-    s.targets = in.targets + a0; s.inv_temp = in.inv_temp + a0; s.g = in.g + a0; s.e = in.e + a0;
+    s.targets = in.targets + a0; s.temperature = in.temperature + a0; s.g = in.g + a0; s.e = in.e + a0;
     Outputs os = run_once(s, c.bwd, c.fast);
     bool b = same_bits(os.stats.data(), o.stats.data() + a0 * K * kStatWidth, m * K * kStatWidth) &&
              same_bits(os.logp.data(), o.logp.data() + a0, m) && same_bits(os.ent.data(), o.ent.data() + a0, m);
@@ -384,7 +385,7 @@ static void run_case(const Case& c, uint64_t seed) {
              row.e_dzz <= tol_g && row.written && row.det && row.batch && row.tp;
   g_rows.push_back(row);
   cuda::detail::set_sm90_enabled(true);
-  printf("  done: %s  logp %.2e ent %.2e dH %.2e dW %.2e db %.2e dzz %.2e %s\n", row.name.c_str(), row.e_logp, row.e_ent,
+  printf("  done: %s  logp %.2e ent %.2e dH %.2e dW %.2e db %.2e dT %.2e %s\n", row.name.c_str(), row.e_logp, row.e_ent,
          row.e_dh, row.e_dw, row.e_db, row.e_dzz, row.pass ? "PASS" : "FAIL");
   fflush(stdout);
 }
@@ -409,12 +410,12 @@ static void bench_shape(const char* name, int64_t n, int64_t h, int64_t v, int r
   DevBuf dh(size_t(n) * h * 4), dw(size_t(v) * h * 2), dzz(n * 4);
   DevBuf lean_ws(cuda::backward_workspace_bytes(p, false)), fast_ws(cuda::backward_workspace_bytes(p, true));
   DevBuf kept(size_t(n) * v * 2);
-  FwdArgs fa; fa.hidden = H.p; fa.weight = W.p; fa.targets = T.as<int32_t>(); fa.inv_temp = IT.as<float>();
+  FwdArgs fa; fa.hidden = H.p; fa.weight = W.p; fa.targets = T.as<int32_t>(); fa.temperature = IT.as<float>();
   fa.stats = stats.as<float>(); fa.target_logit = tl.as<float>();
   CombineArgs ca; ca.n = n; ca.k = K; ca.real_vocab = v; ca.stats = stats.as<float>(); ca.target_logit = tl.as<float>();
   ca.targets = T.as<int32_t>(); ca.logp = logp.as<float>(); ca.lse = lse.as<float>(); ca.entropy = ent.as<float>();
-  BwdArgs ba; ba.hidden = H.p; ba.weight = W.p; ba.targets = T.as<int32_t>(); ba.inv_temp = IT.as<float>();
-  ba.lse = lse.as<float>(); ba.g = G.as<float>(); ba.dhidden = dh.as<float>(); ba.dweight = dw.p; ba.dzz = dzz.as<float>();
+  BwdArgs ba; ba.hidden = H.p; ba.weight = W.p; ba.targets = T.as<int32_t>(); ba.temperature = IT.as<float>();
+  ba.lse = lse.as<float>(); ba.g = G.as<float>(); ba.dhidden = dh.as<float>(); ba.dweight = dw.p; ba.dtemp = dzz.as<float>();
   cudaEvent_t e0, e1; CK(cudaEventCreate(&e0)); CK(cudaEventCreate(&e1));
   Backend be = Backend::kCount;
   // one timed step: the forward (+ combine), keeping the logits or not, then optionally a backward
@@ -502,7 +503,7 @@ int main(int argc, char** argv) {
   }
   uint64_t seed = 1000;
   for (const Case& c : cases) run_case(c, seed += 17);
-  printf("\n%-52s %-8s %9s %9s %9s %9s %9s %9s %5s %5s %5s %5s %5s  %s\n", "case", "fwd/bwd", "logp", "entropy", "dH", "dW", "db", "dzz",
+  printf("\n%-52s %-8s %9s %9s %9s %9s %9s %9s %5s %5s %5s %5s %5s  %s\n", "case", "fwd/bwd", "logp", "entropy", "dH", "dW", "db", "dT",
          "wrote", "det", "batch", "bgrad", "tp", "result");
   bool all = true;
   for (const Row& r : g_rows) {

@@ -119,7 +119,7 @@ struct Params {
   int64_t chunk, spc, nsplit;  // the split walk (lp_internal.h)
   int64_t vocab_start, real_vocab;
   const float* bias;  // f32, of local column 0, or null
-  const float* inv_temp;
+  const float* temperature;
   float* part;        // [rows, nsplit, kStatWidth]
   __half* kept;       // [rows, ldk] kept logits (kKeep only)
   int64_t ldk;
@@ -315,8 +315,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     float d[128];
     const Unit u = unit_of(blockIdx.x, P);
     const int64_t rowA = u.r0 + cw * 64 + warp * 16 + lane / 4, rowB = rowA + 8;
-    const float itA = (rowA < P.rows ? P.inv_temp[rowA] : 1.f) * kLog2e;
-    const float itB = (rowB < P.rows ? P.inv_temp[rowB] : 1.f) * kLog2e;
+    const float itA = (rowA < P.rows ? reciprocal(P.temperature[rowA]) : 1.f) * kLog2e;
+    const float itB = (rowB < P.rows ? reciprocal(P.temperature[rowB]) : 1.f) * kLog2e;
     float run[2][3] = {{-INFINITY, 0.f, 0.f}, {-INFINITY, 0.f, 0.f}};
     for (int t = 0; t < u.ntiles; ++t) {
       for (int kb = 0; kb < KB; ++kb) {
@@ -400,7 +400,7 @@ const char* launch(bool bf16, const CUtensorMap& ma, const CUtensorMap& mb, cons
 }  // namespace
 
 const char* sm90_forward_partials(const Problem& p, const void* hidden, int64_t rows, const void* weight,
-                                  const float* bias, const float* inv_temp, float* part, void* kept,
+                                  const float* bias, const float* temperature, float* part, void* kept,
                                   cudaStream_t stream) {
   if ((reinterpret_cast<uintptr_t>(hidden) | reinterpret_cast<uintptr_t>(weight)) & 15) return kSm90Misaligned;
   if (const char* e = ensure_encode()) return e;
@@ -411,7 +411,7 @@ const char* sm90_forward_partials(const Problem& p, const void* hidden, int64_t 
   Params P{};
   P.rows = rows; P.chunk = p.chunk; P.spc = splits_per_chunk(p.chunk); P.nsplit = total_splits(p);
   P.vocab_start = p.vocab_start; P.real_vocab = p.real_vocab; P.row_tiles = (rows + kBM - 1) / kBM;
-  P.kblocks = int32_t(p.h / kBK); P.bias = p.has_bias ? bias : nullptr; P.inv_temp = inv_temp; P.part = part;
+  P.kblocks = int32_t(p.h / kBK); P.bias = p.has_bias ? bias : nullptr; P.temperature = temperature; P.part = part;
   P.kept = static_cast<__half*>(kept); P.ldk = p.v;
   const int64_t units = P.row_tiles * P.nsplit;
   return kept ? launch<true>(bf16, ma, mb, P, units, stream) : launch<false>(bf16, ma, mb, P, units, stream);

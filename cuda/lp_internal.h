@@ -44,7 +44,7 @@ extern const char* const kSm90Misaligned;  // returned when TMA cannot take the 
 // pointer (already offset to the pass's first row) and, when `kept` is not null, the kept logits
 // (fp16, row stride p.v, offset likewise). Returns nullptr or a static error.
 const char* sm90_forward_partials(const Problem& p, const void* hidden, int64_t rows, const void* weight,
-                                  const float* bias, const float* inv_temp, float* part, void* kept,
+                                  const float* bias, const float* temperature, float* part, void* kept,
                                   cudaStream_t stream);
 constexpr int64_t kSm90HMultiple = 64;  // h must be a multiple of this (one K tile)
 #endif

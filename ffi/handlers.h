@@ -103,7 +103,7 @@ struct Attrs {
 
 // Operands of forward and backward that describe the problem.
 struct Inputs {
-  View hidden, weight, bias, targets, inv_temp;
+  View hidden, weight, bias, targets, temperature;
 };
 
 inline ffi::Error make_problem(const Inputs& in, ffi::DataType ht, ffi::DataType wt, ffi::DataType bt,
@@ -114,7 +114,7 @@ inline ffi::Error make_problem(const Inputs& in, ffi::DataType ht, ffi::DataType
   p->h = in.hidden.core[1];
   p->v = in.weight.core[0];
   if (in.weight.core[1] != p->h) return invalid("hidden and weight disagree on the hidden size");
-  if (in.targets.core[0] != p->n || in.inv_temp.core[0] != p->n) return invalid("row counts disagree");
+  if (in.targets.core[0] != p->n || in.temperature.core[0] != p->n) return invalid("row counts disagree");
   p->has_bias = at.has_bias != 0;
   if (p->has_bias && (bt != ffi::DataType::F32 || in.bias.core[0] != p->v)) return invalid("bias must be [v] float32");
   p->vocab_start = at.vocab_start;
@@ -130,25 +130,25 @@ inline bool is_logits_of(const View& v, const Problem& p) {
   return v.core[0] == p.n && v.core[1] == p.v && v.elem_bytes == dtype_bytes(logits_dtype(p.dtype));
 }
 
-// forward: (hidden, weight, bias, targets, inv_temp) -> (stats, target_logit[, kept logits])
+// forward: (hidden, weight, bias, targets, temperature) -> (stats, target_logit[, kept logits])
 template <class Exec>
 ffi::Error forward(Exec& ex, ffi::AnyBuffer hidden, ffi::AnyBuffer weight, ffi::AnyBuffer bias,
-                   ffi::AnyBuffer targets, ffi::AnyBuffer inv_temp, ffi::Result<ffi::AnyBuffer> stats,
+                   ffi::AnyBuffer targets, ffi::AnyBuffer temperature, ffi::Result<ffi::AnyBuffer> stats,
                    ffi::Result<ffi::AnyBuffer> target_logit, std::optional<View> kept, const Attrs& at) {
-  Inputs in{view(hidden, 2), view(weight, 2), view(bias, 1), view(targets, 1), view(inv_temp, 1)};
+  Inputs in{view(hidden, 2), view(weight, 2), view(bias, 1), view(targets, 1), view(temperature, 1)};
   Problem p;
   if (auto e = make_problem(in, hidden.element_type(), weight.element_type(), bias.element_type(), at, &p);
       e.failure())
     return e;
   const View st = view(*stats, 3), tl = view(*target_logit, 1);
   const Batch batch(st.lead);
-  for (const View* v : std::initializer_list<const View*>{&in.hidden, &in.weight, &in.bias, &in.targets, &in.inv_temp})
+  for (const View* v : std::initializer_list<const View*>{&in.hidden, &in.weight, &in.bias, &in.targets, &in.temperature})
     if (!batch.fits(*v)) return invalid("unsupported batching of the operands");
   if (kept && (!batch.full(*kept) || !is_logits_of(*kept, p))) return invalid("kept logits must be [n, v] of logits_dtype");
   // Rows are independent: with one shared weight and every row operand batched alike, the batch
   // folds into the rows (the same bits as a loop, since results are batch invariant).
   const bool fold = batch.single(in.weight) && batch.single(in.bias) && batch.full(in.hidden) &&
-                    batch.full(in.targets) && batch.full(in.inv_temp);
+                    batch.full(in.targets) && batch.full(in.temperature);
   const int64_t items = fold ? 1 : batch.count;
   if (fold) p.n *= batch.count;
   for (int64_t b = 0; b < items; ++b) {
@@ -157,7 +157,7 @@ ffi::Error forward(Exec& ex, ffi::AnyBuffer hidden, ffi::AnyBuffer weight, ffi::
     a.weight = batch.at(in.weight, b);
     a.bias = p.has_bias ? batch.at<const float>(in.bias, b) : nullptr;
     a.targets = batch.at<const int32_t>(in.targets, b);
-    a.inv_temp = batch.at<const float>(in.inv_temp, b);
+    a.temperature = batch.at<const float>(in.temperature, b);
     a.stats = batch.at<float>(st, b);
     a.target_logit = batch.at<float>(tl, b);
     a.logits = kept ? batch.at(*kept, b) : nullptr;
@@ -194,24 +194,24 @@ ffi::Error combine(Exec& ex, ffi::AnyBuffer stats, ffi::AnyBuffer target_logit, 
   return ffi::Error::Success();
 }
 
-// backward: (hidden, weight, bias, targets, inv_temp, lse, entropy, g, e[, kept logits])
-//        -> (dhidden f32, dweight, dbias f32, dzz f32). The fast variant's kept logits come as a
+// backward: (hidden, weight, bias, targets, temperature, lse, entropy, g, e[, kept logits])
+//        -> (dhidden f32, dweight, dbias f32, dtemp f32). The fast variant's kept logits come as a
 //        result aliased to the operand (the backend may overwrite them), hence a View here.
 template <class Exec>
 ffi::Error backward(Exec& ex, ffi::AnyBuffer hidden, ffi::AnyBuffer weight, ffi::AnyBuffer bias,
-                    ffi::AnyBuffer targets, ffi::AnyBuffer inv_temp, ffi::AnyBuffer lse, ffi::AnyBuffer entropy,
+                    ffi::AnyBuffer targets, ffi::AnyBuffer temperature, ffi::AnyBuffer lse, ffi::AnyBuffer entropy,
                     ffi::AnyBuffer g, ffi::AnyBuffer e, std::optional<View> kept, ffi::Result<ffi::AnyBuffer> dhidden,
                     ffi::Result<ffi::AnyBuffer> dweight, ffi::Result<ffi::AnyBuffer> dbias,
-                    ffi::Result<ffi::AnyBuffer> dzz, const Attrs& at) {
-  Inputs in{view(hidden, 2), view(weight, 2), view(bias, 1), view(targets, 1), view(inv_temp, 1)};
+                    ffi::Result<ffi::AnyBuffer> dtemp, const Attrs& at) {
+  Inputs in{view(hidden, 2), view(weight, 2), view(bias, 1), view(targets, 1), view(temperature, 1)};
   Problem p;
   if (auto err = make_problem(in, hidden.element_type(), weight.element_type(), bias.element_type(), at, &p);
       err.failure())
     return err;
   const View vl = view(lse, 1), ve = view(entropy, 1), vg = view(g, 1), vee = view(e, 1);
-  const View dh = view(*dhidden, 2), dw = view(*dweight, 2), db = view(*dbias, 1), dz = view(*dzz, 1);
+  const View dh = view(*dhidden, 2), dw = view(*dweight, 2), db = view(*dbias, 1), dt = view(*dtemp, 1);
   const Batch batch(dh.lead);
-  for (const View* v : std::initializer_list<const View*>{&in.hidden, &in.weight, &in.bias, &in.targets, &in.inv_temp, &vl, &ve, &vg, &vee})
+  for (const View* v : std::initializer_list<const View*>{&in.hidden, &in.weight, &in.bias, &in.targets, &in.temperature, &vl, &ve, &vg, &vee})
     if (!batch.fits(*v)) return invalid("unsupported batching of the operands");
   if (kept && (!batch.full(*kept) || !is_logits_of(*kept, p))) return invalid("kept logits must be [n, v] of logits_dtype");
   for (int64_t b = 0; b < batch.count; ++b) {
@@ -220,7 +220,7 @@ ffi::Error backward(Exec& ex, ffi::AnyBuffer hidden, ffi::AnyBuffer weight, ffi:
     a.weight = batch.at(in.weight, b);
     a.bias = p.has_bias ? batch.at<const float>(in.bias, b) : nullptr;
     a.targets = batch.at<const int32_t>(in.targets, b);
-    a.inv_temp = batch.at<const float>(in.inv_temp, b);
+    a.temperature = batch.at<const float>(in.temperature, b);
     a.lse = batch.at<const float>(vl, b);
     a.entropy = p.with_entropy ? batch.at<const float>(ve, b) : nullptr;
     a.g = batch.at<const float>(vg, b);
@@ -229,7 +229,7 @@ ffi::Error backward(Exec& ex, ffi::AnyBuffer hidden, ffi::AnyBuffer weight, ffi:
     a.dhidden = batch.at<float>(dh, b);
     a.dweight = batch.at(dw, b);
     a.dbias = p.has_bias ? batch.at<float>(db, b) : nullptr;
-    a.dzz = batch.at<float>(dz, b);
+    a.dtemp = batch.at<float>(dt, b);
     if (auto err = from_status(ex.backward(p, a)); err.failure()) return err;
   }
   return ffi::Error::Success();

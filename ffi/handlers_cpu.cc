@@ -6,21 +6,21 @@ namespace rlk::ffi_handlers {
 namespace {
 
 ffi::Error ForwardCpu(ffi::AnyBuffer hidden, ffi::AnyBuffer weight, ffi::AnyBuffer bias, ffi::AnyBuffer targets,
-                      ffi::AnyBuffer inv_temp, ffi::Result<ffi::AnyBuffer> stats,
+                      ffi::AnyBuffer temperature, ffi::Result<ffi::AnyBuffer> stats,
                       ffi::Result<ffi::AnyBuffer> target_logit, int64_t vocab_start, int64_t real_vocab,
                       int64_t chunk, int64_t ignore_index, int64_t has_bias, int64_t with_entropy) {
   CpuExec ex;
-  return forward(ex, hidden, weight, bias, targets, inv_temp, stats, target_logit, std::nullopt,
+  return forward(ex, hidden, weight, bias, targets, temperature, stats, target_logit, std::nullopt,
                  {vocab_start, real_vocab, chunk, ignore_index, has_bias, with_entropy});
 }
 
 ffi::Error ForwardKeepCpu(ffi::AnyBuffer hidden, ffi::AnyBuffer weight, ffi::AnyBuffer bias, ffi::AnyBuffer targets,
-                          ffi::AnyBuffer inv_temp, ffi::Result<ffi::AnyBuffer> stats,
+                          ffi::AnyBuffer temperature, ffi::Result<ffi::AnyBuffer> stats,
                           ffi::Result<ffi::AnyBuffer> target_logit, ffi::Result<ffi::AnyBuffer> kept,
                           int64_t vocab_start, int64_t real_vocab, int64_t chunk, int64_t ignore_index,
                           int64_t has_bias, int64_t with_entropy) {
   CpuExec ex;
-  return forward(ex, hidden, weight, bias, targets, inv_temp, stats, target_logit, view(*kept, 2),
+  return forward(ex, hidden, weight, bias, targets, temperature, stats, target_logit, view(*kept, 2),
                  {vocab_start, real_vocab, chunk, ignore_index, has_bias, with_entropy});
 }
 
@@ -32,27 +32,27 @@ ffi::Error CombineCpu(ffi::AnyBuffer stats, ffi::AnyBuffer target_logit, ffi::An
 }
 
 ffi::Error BackwardCpu(ffi::AnyBuffer hidden, ffi::AnyBuffer weight, ffi::AnyBuffer bias, ffi::AnyBuffer targets,
-                       ffi::AnyBuffer inv_temp, ffi::AnyBuffer lse, ffi::AnyBuffer entropy, ffi::AnyBuffer g,
+                       ffi::AnyBuffer temperature, ffi::AnyBuffer lse, ffi::AnyBuffer entropy, ffi::AnyBuffer g,
                        ffi::AnyBuffer e, ffi::Result<ffi::AnyBuffer> dhidden, ffi::Result<ffi::AnyBuffer> dweight,
-                       ffi::Result<ffi::AnyBuffer> dbias, ffi::Result<ffi::AnyBuffer> dzz, int64_t vocab_start,
+                       ffi::Result<ffi::AnyBuffer> dbias, ffi::Result<ffi::AnyBuffer> dtemp, int64_t vocab_start,
                        int64_t real_vocab, int64_t chunk, int64_t ignore_index, int64_t has_bias,
                        int64_t with_entropy) {
   CpuExec ex;
-  return backward(ex, hidden, weight, bias, targets, inv_temp, lse, entropy, g, e, std::nullopt, dhidden, dweight,
-                  dbias, dzz, {vocab_start, real_vocab, chunk, ignore_index, has_bias, with_entropy});
+  return backward(ex, hidden, weight, bias, targets, temperature, lse, entropy, g, e, std::nullopt, dhidden, dweight,
+                  dbias, dtemp, {vocab_start, real_vocab, chunk, ignore_index, has_bias, with_entropy});
 }
 
 // kept_in and kept_out are one buffer (aliased by the caller); the CPU backend only reads it.
 ffi::Error BackwardFastCpu(ffi::AnyBuffer hidden, ffi::AnyBuffer weight, ffi::AnyBuffer bias, ffi::AnyBuffer targets,
-                           ffi::AnyBuffer inv_temp, ffi::AnyBuffer lse, ffi::AnyBuffer entropy, ffi::AnyBuffer g,
+                           ffi::AnyBuffer temperature, ffi::AnyBuffer lse, ffi::AnyBuffer entropy, ffi::AnyBuffer g,
                            ffi::AnyBuffer e, ffi::AnyBuffer /*kept_in*/, ffi::Result<ffi::AnyBuffer> dhidden,
                            ffi::Result<ffi::AnyBuffer> dweight, ffi::Result<ffi::AnyBuffer> dbias,
-                           ffi::Result<ffi::AnyBuffer> dzz, ffi::Result<ffi::AnyBuffer> kept_out, int64_t vocab_start,
+                           ffi::Result<ffi::AnyBuffer> dtemp, ffi::Result<ffi::AnyBuffer> kept_out, int64_t vocab_start,
                            int64_t real_vocab, int64_t chunk, int64_t ignore_index, int64_t has_bias,
                            int64_t with_entropy) {
   CpuExec ex;
-  return backward(ex, hidden, weight, bias, targets, inv_temp, lse, entropy, g, e, view(*kept_out, 2), dhidden,
-                  dweight, dbias, dzz, {vocab_start, real_vocab, chunk, ignore_index, has_bias, with_entropy});
+  return backward(ex, hidden, weight, bias, targets, temperature, lse, entropy, g, e, view(*kept_out, 2), dhidden,
+                  dweight, dbias, dtemp, {vocab_start, real_vocab, chunk, ignore_index, has_bias, with_entropy});
 }
 
 }  // namespace

@@ -82,7 +82,7 @@ struct Call {
 };
 
 Call make_call(const Array& hidden, const Array& weight, const std::optional<Array>& bias, const Array& targets,
-               const Array& inv_temp, int64_t vocab_start, int64_t real_vocab, int64_t chunk, int64_t ignore_index,
+               const Array& temperature, int64_t vocab_start, int64_t real_vocab, int64_t chunk, int64_t ignore_index,
                bool with_entropy) {
   Call c;
   c.device = hidden.device_type();
@@ -97,7 +97,7 @@ Call make_call(const Array& hidden, const Array& weight, const std::optional<Arr
   expect(weight, hidden.dtype(), {p.v, p.h}, c.device, "weight");
   if (bias) expect(*bias, nb::dtype<float>(), {p.v}, c.device, "bias");
   expect(targets, nb::dtype<int32_t>(), {p.n}, c.device, "targets");
-  expect(inv_temp, nb::dtype<float>(), {p.n}, c.device, "inv_temp");
+  expect(temperature, nb::dtype<float>(), {p.n}, c.device, "temperature");
   p.vocab_start = vocab_start;
   p.real_vocab = real_vocab;
   p.chunk = chunk;
@@ -140,10 +140,10 @@ void* kept_of(const std::optional<Array>& logits, const Call& c) {
   return logits->data();
 }
 
-void dl_forward(Array hidden, Array weight, std::optional<Array> bias, Array targets, Array inv_temp, Array stats,
+void dl_forward(Array hidden, Array weight, std::optional<Array> bias, Array targets, Array temperature, Array stats,
                 Array target_logit, std::optional<Array> logits, std::optional<Array> workspace, int64_t vocab_start,
                 int64_t real_vocab, int64_t chunk, int64_t ignore_index, bool with_entropy, uintptr_t stream) {
-  const Call c = make_call(hidden, weight, bias, targets, inv_temp, vocab_start, real_vocab, chunk, ignore_index,
+  const Call c = make_call(hidden, weight, bias, targets, temperature, vocab_start, real_vocab, chunk, ignore_index,
                            with_entropy);
   expect(stats, nb::dtype<float>(), {c.p.n, rlk::num_chunks(c.p), rlk::kStatWidth}, c.device, "stats");
   expect(target_logit, nb::dtype<float>(), {c.p.n}, c.device, "target_logit");
@@ -152,7 +152,7 @@ void dl_forward(Array hidden, Array weight, std::optional<Array> bias, Array tar
   a.weight = weight.data();
   a.bias = bias ? static_cast<const float*>(bias->data()) : nullptr;
   a.targets = static_cast<const int32_t*>(targets.data());
-  a.inv_temp = static_cast<const float*>(inv_temp.data());
+  a.temperature = static_cast<const float*>(temperature.data());
   a.stats = static_cast<float*>(stats.data());
   a.target_logit = static_cast<float*>(target_logit.data());
   a.logits = kept_of(logits, c);
@@ -182,13 +182,13 @@ void dl_combine(Array stats, Array target_logit, Array targets, Array logp, Arra
   run_on(device, std::nullopt, stream, [&](auto& ex) { return ex.combine(a); });
 }
 
-void dl_backward(Array hidden, Array weight, std::optional<Array> bias, Array targets, Array inv_temp, Array lse,
+void dl_backward(Array hidden, Array weight, std::optional<Array> bias, Array targets, Array temperature, Array lse,
                  std::optional<Array> entropy, Array g, std::optional<Array> e, std::optional<Array> logits,
                  Array dhidden, Array dweight,
-                 std::optional<Array> dbias, Array dzz, std::optional<Array> workspace, int64_t vocab_start,
+                 std::optional<Array> dbias, Array dtemp, std::optional<Array> workspace, int64_t vocab_start,
                  int64_t real_vocab, int64_t chunk, int64_t ignore_index, uintptr_t stream) {
   const bool with_entropy = entropy.has_value() && e.has_value();
-  const Call c = make_call(hidden, weight, bias, targets, inv_temp, vocab_start, real_vocab, chunk, ignore_index,
+  const Call c = make_call(hidden, weight, bias, targets, temperature, vocab_start, real_vocab, chunk, ignore_index,
                            with_entropy);
   const rlk::Problem& p = c.p;
   expect(lse, nb::dtype<float>(), {p.n}, c.device, "lse");
@@ -201,13 +201,13 @@ void dl_backward(Array hidden, Array weight, std::optional<Array> bias, Array ta
   expect(dweight, hidden.dtype(), {p.v, p.h}, c.device, "dweight");
   if (bias && !dbias) throw std::invalid_argument("rlk: dbias is required with bias");
   if (dbias) expect(*dbias, nb::dtype<float>(), {p.v}, c.device, "dbias");
-  expect(dzz, nb::dtype<float>(), {p.n}, c.device, "dzz");
+  expect(dtemp, nb::dtype<float>(), {p.n}, c.device, "dtemp");
   rlk::BwdArgs a;
   a.hidden = hidden.data();
   a.weight = weight.data();
   a.bias = bias ? static_cast<const float*>(bias->data()) : nullptr;
   a.targets = static_cast<const int32_t*>(targets.data());
-  a.inv_temp = static_cast<const float*>(inv_temp.data());
+  a.temperature = static_cast<const float*>(temperature.data());
   a.lse = static_cast<const float*>(lse.data());
   a.entropy = with_entropy ? static_cast<const float*>(entropy->data()) : nullptr;
   a.g = static_cast<const float*>(g.data());
@@ -216,7 +216,7 @@ void dl_backward(Array hidden, Array weight, std::optional<Array> bias, Array ta
   a.dhidden = static_cast<float*>(dhidden.data());
   a.dweight = dweight.data();
   a.dbias = (bias && dbias) ? static_cast<float*>(dbias->data()) : nullptr;
-  a.dzz = static_cast<float*>(dzz.data());
+  a.dtemp = static_cast<float*>(dtemp.data());
   run_on(c.device, workspace, stream, [&](auto& ex) { return ex.backward(p, a); });
 }
 
@@ -291,7 +291,7 @@ NB_MODULE(_rlk_core, m) {
   m.def("reset_route_counts", &rlk::reset_counts);
 
   m.def("forward", &dl_forward, nb::arg("hidden").noconvert(), nb::arg("weight").noconvert(),
-        nb::arg("bias").noconvert().none(), nb::arg("targets").noconvert(), nb::arg("inv_temp").noconvert(),
+        nb::arg("bias").noconvert().none(), nb::arg("targets").noconvert(), nb::arg("temperature").noconvert(),
         nb::arg("stats").noconvert(), nb::arg("target_logit").noconvert(), nb::arg("logits").noconvert().none(),
         nb::arg("workspace").noconvert().none(),
         nb::arg("vocab_start"), nb::arg("real_vocab"), nb::arg("chunk"), nb::arg("ignore_index"),
@@ -303,11 +303,11 @@ NB_MODULE(_rlk_core, m) {
         nb::arg("entropy").noconvert(), nb::arg("real_vocab"), nb::arg("ignore_index"), nb::arg("stream"),
         "Combine all chunks' statistics into logp, lse, entropy (DLPack).");
   m.def("backward", &dl_backward, nb::arg("hidden").noconvert(), nb::arg("weight").noconvert(),
-        nb::arg("bias").noconvert().none(), nb::arg("targets").noconvert(), nb::arg("inv_temp").noconvert(),
+        nb::arg("bias").noconvert().none(), nb::arg("targets").noconvert(), nb::arg("temperature").noconvert(),
         nb::arg("lse").noconvert(), nb::arg("entropy").noconvert().none(), nb::arg("g").noconvert(),
         nb::arg("e").noconvert().none(), nb::arg("logits").noconvert().none(), nb::arg("dhidden").noconvert(), nb::arg("dweight").noconvert(),
-        nb::arg("dbias").noconvert().none(), nb::arg("dzz").noconvert(), nb::arg("workspace").noconvert().none(),
+        nb::arg("dbias").noconvert().none(), nb::arg("dtemp").noconvert(), nb::arg("workspace").noconvert().none(),
         nb::arg("vocab_start"), nb::arg("real_vocab"), nb::arg("chunk"), nb::arg("ignore_index"), nb::arg("stream"),
-        "Backward into caller-allocated dhidden f32, dweight, dbias f32, dzz f32 (DLPack). With `logits`\n"
+        "Backward into caller-allocated dhidden f32, dweight, dbias f32, dtemp f32 (DLPack). With `logits`\n"
         "(the forward's kept logits) the fast strategy, which on CUDA overwrites them; else lean.");
 }

@@ -81,12 +81,12 @@ def logits_dtype(dtype):
     return F32 if jnp.dtype(dtype) == jnp.dtype(F32) else jnp.float16
 
 
-def forward(hidden, weight, bias, targets, inv_temp, cfg: KernelConfig, keep_logits: bool = False):
-    """bias: [v] f32 or None. -> stats [n, v/chunk, STAT_WIDTH] f32, target_logit [n] f32 (0 where
+def forward(hidden, weight, bias, targets, temperature, cfg: KernelConfig, keep_logits: bool = False):
+    """bias: [v] f32 or None; temperature [n] f32 (the kernels form 1/T). -> stats [n, v/chunk, STAT_WIDTH] f32, target_logit [n] f32 (0 where
     the target is not a real id of this shard)[, with keep_logits the logits [n, v] for the fast
     backward, in logits_dtype]."""
     n, v = hidden.shape[0], weight.shape[0]
-    args = (hidden, weight, _bias_arg(bias), targets, inv_temp)
+    args = (hidden, weight, _bias_arg(bias), targets, temperature)
     results = (_sds((n, v // cfg.chunk, STAT_WIDTH), F32, args), _sds((n,), F32, args))
     if keep_logits:
         results += (_sds((n, v), logits_dtype(hidden.dtype), args),)
@@ -102,14 +102,15 @@ def combine(stats, target_logit, targets, *, real_vocab: int, ignore_index: int)
     return _on_platform((_sds((n,), F32, args),) * 3, None, "rlk_combine", args, attrs)
 
 
-def backward(hidden, weight, bias, targets, inv_temp, lse, entropy, g, e, cfg: KernelConfig, logits=None):
-    """-> dhidden [n, h] f32 (this shard's part), dweight [v, h], dbias [v] f32, dzz [n] f32.
+def backward(hidden, weight, bias, targets, temperature, lse, entropy, g, e, cfg: KernelConfig, logits=None):
+    """-> dhidden [n, h] f32, dweight [v, h], dbias [v] f32, dtemperature [n] f32 (dhidden and
+    dtemperature: this shard's part).
     logits: the forward's kept logits (the fast strategy; the CUDA kernels overwrite the buffer,
     which XLA gives them through an operand-result alias), or None (lean: recompute)."""
     n, h = hidden.shape
     v = weight.shape[0]
     empty = jnp.zeros((0,), F32)
-    args = (hidden, weight, _bias_arg(bias), targets, inv_temp, lse,
+    args = (hidden, weight, _bias_arg(bias), targets, temperature, lse,
             entropy if cfg.with_entropy else empty, g, e if cfg.with_entropy else empty)
     results = (_sds((n, h), F32, args), _sds((v, h), weight.dtype, args),
                _sds((v if cfg.has_bias else 0,), F32, args), _sds((n,), F32, args))

@@ -140,9 +140,8 @@ def _varying(st: _Static, *xs):
 
 
 def _fused_fwd(st: _Static, hidden, weight, bias, temperature, targets, ktargets, chunk_offset):
-    inv_temp = 1.0 / temperature
-    hk, itk, ktk = _varying(st, hidden, inv_temp, ktargets)
-    stats, target_logit, *kept = K.forward(hk, weight, bias, ktk, itk, st.cfg, keep_logits=st.keep_logits)
+    hk, tk, ktk = _varying(st, hidden, temperature, ktargets)
+    stats, target_logit, *kept = K.forward(hk, weight, bias, ktk, tk, st.cfg, keep_logits=st.keep_logits)
     if st.axis_name is not None:
         # Every shard places its chunks at their global position and the sum over shards adds
         # exact zeros elsewhere: all shards then hold the same [n, chunks, 3] statistics, which the
@@ -155,19 +154,18 @@ def _fused_fwd(st: _Static, hidden, weight, bias, temperature, targets, ktargets
     logp, lse, ent = K.combine(stats, target_logit, targets, real_vocab=st.real_vocab, ignore_index=st.ignore_index)
     if not st.cfg.with_entropy:
         ent = jnp.zeros_like(logp)
-    return (logp, ent), (hidden, weight, bias, inv_temp, ktargets, lse, ent, kept[0] if kept else None)
+    return (logp, ent), (hidden, weight, bias, temperature, ktargets, lse, ent, kept[0] if kept else None)
 
 
 def _fused_bwd(st: _Static, res, cts):
-    hidden, weight, bias, inv_temp, ktargets, lse, ent, kept = res
+    hidden, weight, bias, temperature, ktargets, lse, ent, kept = res
     g, e = cts
-    hk, itk, ktk, lk, ek, gk, eek = _varying(st, hidden, inv_temp, ktargets, lse, ent, g.astype(F32), e.astype(F32))
-    dh, dw, db, dzz = K.backward(hk, weight, bias, ktk, itk, lk, ek, gk, eek, st.cfg, logits=kept)
-    dtemp = -itk * dzz
+    hk, tk, ktk, lk, ek, gk, eek = _varying(st, hidden, temperature, ktargets, lse, ent, g.astype(F32), e.astype(F32))
+    dh, dw, db, dtemp = K.backward(hk, weight, bias, ktk, tk, lk, ek, gk, eek, st.cfg, logits=kept)
     if st.axis_name is not None:
         # dH and dT are partial sums over this shard's vocab: one all-reduce each over the vocab
         # axis; dW and db stay local (reduced only over a token axis the weight is replicated on).
-        dh, dtemp = psum_to(dh, hidden, st.axis_name), psum_to(dtemp, inv_temp, st.axis_name)
+        dh, dtemp = psum_to(dh, hidden, st.axis_name), psum_to(dtemp, temperature, st.axis_name)
         dw = psum_to(dw, weight, ())
         db = psum_to(db, bias, ()) if bias is not None else db
     dbias = None if bias is None else db

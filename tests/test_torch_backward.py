@@ -139,7 +139,7 @@ def test_kept_logits_are_the_scaled_logits_and_fill_the_buffer(dtype):
     b, t = kw["bias"].float(), d["targets"].int()
     want = kept_logits_dtype(h.dtype)
     logits = torch.full((45, 300), float("nan"), dtype=want)
-    _rlk_core.forward(h, w, b, t, torch.reciprocal(T), torch.empty((45, 4, 3)), torch.empty(45), logits, None, 0,
+    _rlk_core.forward(h, w, b, t, T.float(), torch.empty((45, 4, 3)), torch.empty(45), logits, None, 0,
                       290, 75, -100, False, 0)
     assert not torch.isnan(logits).any()
     z = (h.double() @ w.double().T + b.double()) / T.double()[:, None]

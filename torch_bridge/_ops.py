@@ -10,8 +10,9 @@ and the fused single-shard forward op, with its autograd (LinearLogp), traceable
 torch.compile(fullgraph=True):
   rlk::linear_logp            (logp, entropy, lse, kept logits); backward through rlk::linear_logp_backward
 
-Every op takes `temperature` [n] f32 and forms inv_temp = 1 / temperature itself (the same fp32
-division as the JAX frontend, so both give the same bits). Bias, when given, is fp32. Outputs and
+Every op passes `temperature` [n] f32 to the kernels, which form 1 / T themselves with a correctly
+rounded reciprocal: the JAX frontend does the same, so both give the same bits (XLA's and torch's
+own GPU divisions differ in the last bit). Bias, when given, is fp32. Outputs and
 the CUDA workspace are allocated with torch's allocator; CUDA kernels run on the current stream.
 
 Kept logits (backward="fast"): z = (h.W + b) / T of the shard, [n, v] in kept_logits_dtype. When
@@ -80,8 +81,8 @@ def _kept(logits: Tensor, hidden: Tensor, v: int) -> Optional[Tensor]:
     return logits
 
 
-def _inv_temp(temperature: Tensor) -> Tensor:
-    return torch.reciprocal(temperature.detach().to(F32)).contiguous()
+def _temp(temperature: Tensor) -> Tensor:
+    return temperature.detach().to(F32).contiguous()
 
 
 # ---- rlk::forward_stats ---------------------------------------------------------------------------
@@ -97,7 +98,7 @@ def _forward_stats(hidden, weight, bias, targets, temperature, vocab_start, real
     if n == 0:
         return stats, tl, logits
     with _on(hidden):
-        core.forward(_c(hidden), _c(weight), _c(bias), _c(targets), _inv_temp(temperature), stats, tl,
+        core.forward(_c(hidden), _c(weight), _c(bias), _c(targets), _temp(temperature), stats, tl,
                      logits if keep_logits else None,
                      _workspace(hidden, v, chunk, bias is not None, with_entropy, FORWARD), int(vocab_start),
                      int(real_vocab), int(chunk), int(ignore_index), bool(with_entropy), _stream(hidden))
@@ -157,20 +158,20 @@ def _backward(hidden, weight, bias, targets, temperature, lse, entropy, g, e, lo
     dh = torch.empty((n, h), dtype=F32, device=dev)
     dw = torch.empty((v, h), dtype=weight.dtype, device=dev)
     db = torch.empty((v if bias is not None else 0,), dtype=F32, device=dev)
-    dzz = torch.empty((n,), dtype=F32, device=dev)
+    dtemp = torch.empty((n,), dtype=F32, device=dev)
     if n == 0:
         dw.zero_(), db.zero_()
-        return dh, dw, db, dzz
+        return dh, dw, db, dtemp
     with_entropy = entropy is not None and e is not None
-    inv = _inv_temp(temperature)
     with _on(hidden):
-        core.backward(_c(hidden), _c(weight), _c(bias), _c(targets), inv, _c(lse), _c(entropy) if with_entropy else None,
+        core.backward(_c(hidden), _c(weight), _c(bias), _c(targets), _temp(temperature), _c(lse),
+                      _c(entropy) if with_entropy else None,
                       _c(g.to(F32)), _c(e.to(F32)) if with_entropy else None, kept, dh, dw,
-                      db if bias is not None else None, dzz,
+                      db if bias is not None else None, dtemp,
                       _workspace(hidden, v, chunk, bias is not None, with_entropy,
                                  BACKWARD_LEAN if kept is None else BACKWARD_FAST),
                       int(vocab_start), int(real_vocab), int(chunk), int(ignore_index), _stream(hidden))
-    return dh, dw, db, -inv * dzz
+    return dh, dw, db, dtemp
 
 
 @torch.library.custom_op("rlk::linear_logp_backward", mutates_args=("logits",))

@@ -5,10 +5,12 @@
 //
 // Math (all in fp32; operands in their own dtype, fp32 accumulation), per row i:
 //   z_j    = (h_i . W_j + b_j) * inv_temp_i        global id j >= real_vocab -> -inf (padding)
+//            inv_temp_i = reciprocal(T_i), formed by the kernels themselves (see reciprocal)
 //   lse_i  = log sum_j exp(z_j)
 //   logp_i = z_{t_i} - lse_i ;  ent_i = lse_i - sum_j p_j z_j
 //   dz_j   = g_i (delta_{j t_i} - p_j) + e_i p_j (lse_i - ent_i - z_j)
 //   dlogit_j = dz_j * inv_temp_i ; dH = dlogit W ; dW = dlogit^T H ; db = sum_i dlogit
+//   dT_i   = -inv_temp_i * sum_j dz_j z_j
 //
 // Canonical chunks (the consistency contract): the global padded vocab is cut into chunks of a
 // width that depends on the global vocab size only (canonical_chunk). The forward emits per-(row,
@@ -96,6 +98,17 @@ RLK_HD void stats_merge(float m2, float s2, float a2, float& m, float& s, float&
   }
 }
 
+// 1 / T, correctly rounded on every platform. The kernels take the temperature, not its inverse:
+// XLA's GPU division is not correctly rounded (div.full.f32, up to 1 ulp off) while torch's is,
+// so an inverse formed by each frontend would differ between JAX and torch.
+RLK_HD float reciprocal(float t) {
+#if defined(__CUDA_ARCH__)
+  return __frcp_rn(t);
+#else
+  return 1.f / t;
+#endif
+}
+
 struct RowResult { float logp, lse, entropy; };
 
 // Combine k chunk statistics of one row (stats: k * kStatWidth floats, chunk order) and the
@@ -128,7 +141,7 @@ RLK_HD float dz_of(float z, bool is_target, float lse, float ent, float g, float
 // Forward partial statistics.
 //   in : hidden [n, h], weight [v, h] (dtype), bias [v] f32 (null when !has_bias; fp32 so that a
 //        frontend can also mask padding columns through it, whatever the dtype), targets [n] int32,
-//        inv_temp [n] f32
+//        temperature [n] f32 (> 0)
 //   out: stats [n, num_chunks, kStatWidth] f32; target_logit [n] f32 = z_t when the target is a
 //        real id of this shard, else 0 (so a sum over shards is exact); logits (null unless the
 //        fast backward will follow) [n, v] in logits_dtype: every z, clamped to +-kMaxKeptLogit.
@@ -137,7 +150,7 @@ struct FwdArgs {
   const void* weight = nullptr;
   const float* bias = nullptr;
   const int32_t* targets = nullptr;
-  const float* inv_temp = nullptr;
+  const float* temperature = nullptr;
   float* stats = nullptr;
   float* target_logit = nullptr;
   void* logits = nullptr;
@@ -158,8 +171,8 @@ struct CombineArgs {
 //   in : as forward, plus lse [n], entropy [n] (null when !with_entropy), g = dL/dlogp [n],
 //        e = dL/dentropy [n] (null when !with_entropy)
 //   out: dhidden [n, h] f32 (this shard's partial sum over its vocab), dweight [v, h] dtype,
-//        dbias [v] f32 (null when !has_bias), dzz [n] f32 = sum_j dz_j z_j over this shard
-//        (the temperature gradient is -inv_temp * dzz summed over shards).
+//        dbias [v] f32 (null when !has_bias), dtemp [n] f32 (may be null) = this shard's part of
+//        dT = -inv_temp * sum_j dz_j z_j (the frontends sum it over shards).
 //   Strategy: with `logits` (the forward's kept logits) the backward reads z instead of
 //   recomputing it ("fast"; the CUDA backend overwrites the buffer with dlogit, so it serves one
 //   backward); without, it recomputes z tile by tile ("lean").
@@ -168,7 +181,7 @@ struct BwdArgs {
   const void* weight = nullptr;
   const float* bias = nullptr;
   const int32_t* targets = nullptr;
-  const float* inv_temp = nullptr;
+  const float* temperature = nullptr;
   const float* lse = nullptr;
   const float* entropy = nullptr;
   const float* g = nullptr;
@@ -177,7 +190,7 @@ struct BwdArgs {
   float* dhidden = nullptr;
   void* dweight = nullptr;
   float* dbias = nullptr;
-  float* dzz = nullptr;
+  float* dtemp = nullptr;
 };
 
 // A status the frontends turn into an exception: nullptr on success, else a static message.
