@@ -89,10 +89,22 @@ def jax_paths():
     return paths
 
 
-def _tokamax():
-    """Tokamax, the JAX kernel library (its wheel imports an undeclared `xprof`: a stub stands in)."""
+def _stub_xprof():
+    """Tokamax's benchmarking module imports `xprof.cli.tools.get_kernel_stats_tool` (an undeclared
+    profiler dependency, unused here): empty stand-in modules let the import succeed."""
     import types
-    sys.modules.setdefault("xprof", types.ModuleType("xprof"))
+    parent = None
+    for name in ("xprof", "xprof.cli", "xprof.cli.tools", "xprof.cli.tools.get_kernel_stats_tool"):
+        mod = sys.modules.setdefault(name, types.ModuleType(name))
+        mod.__path__ = getattr(mod, "__path__", [])
+        if parent is not None:
+            setattr(parent, name.rsplit(".", 1)[1], mod)
+        parent = mod
+
+
+def _tokamax():
+    """Tokamax, the JAX kernel library (see _stub_xprof)."""
+    _stub_xprof()
     try:
         import tokamax
         return tokamax
