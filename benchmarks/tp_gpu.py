@@ -90,6 +90,8 @@ def run_shape(name, n, hd, v_local, tp, mesh):
     out["exchange_fwd_ms"] = timeit(fwd_x, stats)
     out["exchange_bwd_dh_ms"] = timeit(bwd_x, dh_part)
     out["exchange_share_of_fb"] = (2 * out["exchange_fwd_ms"] + out["exchange_bwd_dh_ms"]) / out["tp_fb_ms"]
+    # the statistics exchange alone (what vocab parallelism adds; the dH all-reduce is every TP head's)
+    out["stats_exchange_share_of_fb"] = out["exchange_fwd_ms"] / out["tp_fb_ms"]
     return out
 
 
