@@ -24,7 +24,7 @@ import torch.distributed as dist  # noqa: E402
 import _rlk_core  # noqa: E402
 import torch_bridge  # noqa: E402
 
-SHAPES = {"T3": (6827, 2048, 75968), "Q8B-tp4": (4096, 4096, 37984)}
+SHAPES = {"T3": (6827, 2048, 151936), "Q8B": (4096, 4096, 151936)}  # global vocab, as tp_gpu.py
 
 
 def timed_ms(fn, warmup=5, iters=20, collective=True):
@@ -64,8 +64,8 @@ def main():
     torch.cuda.set_device(rank)
     dev = torch.device("cuda", rank)
     rows = []
-    for name, (n, hd, v_local) in SHAPES.items():
-        v = v_local * world
+    for name, (n, hd, v) in SHAPES.items():
+        v_local = v // world
         h, w, t, g = (x.to(dev) for x in inputs(n, hd, v))
         ws = w[rank * v_local:(rank + 1) * v_local].contiguous()
         hs = h.clone().requires_grad_()
