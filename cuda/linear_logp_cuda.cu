@@ -97,7 +97,7 @@ __global__ void __launch_bounds__(kThreads) fwd_split_kernel(
     itemp[rr] = row < rows ? reciprocal(temperature[row]) : 1.f;
   }
   for (int64_t t0 = col0; t0 < col_end; t0 += kBN) {
-    gemm_tile<T, true, true>(hidden + r0 * h, h, rows - r0, weight + t0 * h, h, col_end - t0, h, smem, Cs);
+    gemm_tile<T>(hidden + r0 * h, h, rows - r0, weight + t0 * h, h, col_end - t0, h, smem, Cs);
     float bcol[4];
     bool live[4];
 #pragma unroll
@@ -207,7 +207,7 @@ template <typename K> cudaError_t set_smem(K kernel, size_t bytes) {
 template <typename T>
 Status forward_portable_partials(const Problem& p, const T* hidden, int64_t rows, const T* weight,
                                  const float* bias, const float* temperature, float* part, void* kept, cudaStream_t st) {
-  constexpr size_t smem = GemmSmem<T, true, true>::BYTES;
+  constexpr size_t smem = GemmSmem<T>::BYTES;
   // Set on every call (cheap, host-only, legal under stream capture): the attribute is per device.
   if (set_smem(fwd_split_kernel<T>, smem) != cudaSuccess) return "rlk cuda: cudaFuncSetAttribute failed (forward)";
   const dim3 grid(unsigned((rows + kBM - 1) / kBM), unsigned(total_splits(p)));

@@ -5,11 +5,10 @@
 // through a 3-stage cp.async pipeline. bf16/fp16 multiply on the tensor cores through WMMA
 // (16x16x16, fp32 accumulators); fp32 multiplies with plain FFMA (never tf32: the contract is fp32).
 //
-// Layouts (template flags): A is K-major (A(m,k) = A[m*lda+k]) or M-major (A[k*lda+m]); B is
-// K-major (B(k,n) = B[n*ldb+k]) or N-major (B[k*ldb+n]). The three products of the operator use
-// (K,K) logits = H W^T, (K,N) dH = dlogit W, (M,N) dW = dlogit^T H. Out-of-range elements load as
-// zeros. Every output element is a sum over k in the same fixed order whatever its row or column
-// position in the tile, which keeps results independent of the batch around a row.
+// Layout: both operands K-major, A(m,k) = A[m*lda+k] and B(k,n) = B[n*ldb+k]: the logits H W^T
+// (the backward's GEMMs are cuBLAS's, cuda/blas.h). Out-of-range elements load as zeros. Every
+// output element is a sum over k in the same fixed order whatever its row or column position in
+// the tile, which keeps results independent of the batch around a row.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -40,15 +39,13 @@ template <typename T> struct TileCfg {
   static constexpr int BK = 64 / int(sizeof(T));   // 32 halves or 16 floats: 64-byte rows
   static constexpr int VEC = 16 / int(sizeof(T));  // elements per 16-byte vector
   static constexpr int PAD = VEC;                  // one vector of padding per smem row
-  template <bool KMAJOR, int MN> static constexpr int rows() { return KMAJOR ? MN : BK; }
-  template <bool KMAJOR, int MN> static constexpr int cols() { return KMAJOR ? BK + PAD : MN + PAD; }
-  template <bool KMAJOR, int MN> static constexpr int elems() { return rows<KMAJOR, MN>() * cols<KMAJOR, MN>(); }
+  static constexpr int LD = BK + PAD;              // smem row stride (elements) of both operands
 };
 
-template <typename T, bool AK, bool BKM> struct GemmSmem {
+template <typename T> struct GemmSmem {
   using C = TileCfg<T>;
-  static constexpr int A_ELEMS = C::template elems<AK, kBM>();
-  static constexpr int B_ELEMS = C::template elems<BKM, kBN>();
+  static constexpr int A_ELEMS = kBM * C::LD;
+  static constexpr int B_ELEMS = kBN * C::LD;
   static constexpr size_t STAGE_BYTES = size_t(A_ELEMS + B_ELEMS) * sizeof(T);
   static constexpr size_t PIPE_BYTES = STAGE_BYTES * kStages;
   static constexpr size_t BYTES = PIPE_BYTES > kCsBytes ? PIPE_BYTES : kCsBytes;
@@ -96,11 +93,11 @@ __device__ __forceinline__ void load_tile(T* s, const T* g, int64_t ld, int64_t 
 
 // C tile (128x128 fp32, into Cs) = sum over k in [0, K) of A(m,k) B(k,n).
 //   A: origin at (m0, 0); m_lim valid rows. B: origin at (0, n0); n_lim valid columns.
-template <typename T, bool AK, bool BKM>
+template <typename T>
 __device__ void gemm_tile(const T* __restrict__ A, int64_t lda, int64_t m_lim, const T* __restrict__ B,
                           int64_t ldb, int64_t n_lim, int64_t K, unsigned char* smem, float* Cs) {
   using Cfg = TileCfg<T>;
-  using SM = GemmSmem<T, AK, BKM>;
+  using SM = GemmSmem<T>;
   constexpr int BK = Cfg::BK;
   const int tid = threadIdx.x;
   const bool vec_a = (lda % Cfg::VEC == 0) && ((reinterpret_cast<uintptr_t>(A) & 15) == 0);
@@ -112,15 +109,12 @@ __device__ void gemm_tile(const T* __restrict__ A, int64_t lda, int64_t m_lim, c
   auto load = [&](int s, int64_t kt) {
     const int64_t k0 = kt * BK;
     const int64_t klim = K - k0;
-    if (AK) load_tile<T, kBM, BK>(stageA(s), A + k0, lda, m_lim, klim, vec_a);
-    else    load_tile<T, BK, kBM>(stageA(s), A + k0 * lda, lda, klim, m_lim, vec_a);
-    if (BKM) load_tile<T, kBN, BK>(stageB(s), B + k0, ldb, n_lim, klim, vec_b);
-    else     load_tile<T, BK, kBN>(stageB(s), B + k0 * ldb, ldb, klim, n_lim, vec_b);
+    load_tile<T, kBM, BK>(stageA(s), A + k0, lda, m_lim, klim, vec_a);
+    load_tile<T, kBN, BK>(stageB(s), B + k0, ldb, n_lim, klim, vec_b);
   };
 
   constexpr bool kTensor = sizeof(T) == 2;
-  constexpr int AL = Cfg::template cols<AK, kBM>();
-  constexpr int BL = Cfg::template cols<BKM, kBN>();
+  constexpr int AL = Cfg::LD, BL = Cfg::LD;
 
   // Accumulators: WMMA fragments (16-bit) or an 8x8 FFMA micro tile (fp32).
   using namespace nvcuda;
@@ -157,10 +151,8 @@ __device__ void gemm_tile(const T* __restrict__ A, int64_t lda, int64_t m_lim, c
     const T* As = stageA(int(kt % kStages));
     const T* Bs = stageB(int(kt % kStages));
     if constexpr (kTensor) {
-      using LA = typename std::conditional<AK, wmma::row_major, wmma::col_major>::type;
-      using LB = typename std::conditional<BKM, wmma::col_major, wmma::row_major>::type;
-      using FragA = wmma::fragment<wmma::matrix_a, 16, 16, 16, T, LA>;
-      using FragB = wmma::fragment<wmma::matrix_b, 16, 16, 16, T, LB>;
+      using FragA = wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major>;
+      using FragB = wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::col_major>;
 #pragma unroll
       for (int kk = 0; kk < BK; kk += 16) {
         FragA fa[4];
@@ -168,12 +160,12 @@ __device__ void gemm_tile(const T* __restrict__ A, int64_t lda, int64_t m_lim, c
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
           const int m = wm * 64 + i * 16;
-          wmma::load_matrix_sync(fa[i], AK ? As + m * AL + kk : As + kk * AL + m, AL);
+          wmma::load_matrix_sync(fa[i], As + m * AL + kk, AL);
         }
 #pragma unroll
         for (int j = 0; j < 2; ++j) {
           const int n = wn * 32 + j * 16;
-          wmma::load_matrix_sync(fb[j], BKM ? Bs + n * BL + kk : Bs + kk * BL + n, BL);
+          wmma::load_matrix_sync(fb[j], Bs + n * BL + kk, BL);
         }
 #pragma unroll
         for (int i = 0; i < 4; ++i)
@@ -188,12 +180,12 @@ __device__ void gemm_tile(const T* __restrict__ A, int64_t lda, int64_t m_lim, c
 #pragma unroll
         for (int i = 0; i < 8; ++i) {
           const int m = ty + 16 * i;
-          a[i] = to_f(AK ? As[m * AL + k] : As[k * AL + m]);
+          a[i] = to_f(As[m * AL + k]);
         }
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
           const int n = tx + 16 * j;
-          b[j] = to_f(BKM ? Bs[n * BL + k] : Bs[k * BL + n]);
+          b[j] = to_f(Bs[n * BL + k]);
         }
 #pragma unroll
         for (int i = 0; i < 8; ++i)
