@@ -1,6 +1,7 @@
 """Vocab-parallel torch_bridge.linear_logp over NCCL, one process per GPU (torchrun).
 
     torchrun --nproc_per_node 2 benchmarks/tp_torch.py --out $OUT
+    torchrun --nproc_per_node 2 benchmarks/tp_torch.py --out /tmp --shapes tiny   # CPU + gloo dry run
 
 Every rank builds the same inputs as benchmarks/tp_gpu.py (numpy seed 0) and holds its vocab
 shard. Rank 0 also runs TP = 1 on the full weight. Checks: logp/entropy bitwise across TP = 1
@@ -13,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import time
 
 for k, v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"), ("NVSHMEM_DISABLE_NVLS", "1")):
     os.environ[k] = v
@@ -24,7 +26,8 @@ import torch.distributed as dist  # noqa: E402
 import _rlk_core  # noqa: E402
 import torch_bridge  # noqa: E402
 
-SHAPES = {"T3": (6827, 2048, 151936), "Q8B": (4096, 4096, 151936)}  # global vocab, as tp_gpu.py
+SHAPES = {"T3": (6827, 2048, 151936), "Q8B": (4096, 4096, 151936),  # global vocab, as tp_gpu.py
+          "tiny": (256, 64, 1024)}  # a dry run of the script itself (CPU, gloo)
 
 
 def timed_ms(fn, warmup=5, iters=20, collective=True):
@@ -36,6 +39,11 @@ def timed_ms(fn, warmup=5, iters=20, collective=True):
         dist.barrier()
     times = []
     for _ in range(iters):
+        if not torch.cuda.is_available():
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+            continue
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
         fn()
@@ -58,13 +66,17 @@ def inputs(n, hd, v):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=".")
+    ap.add_argument("--shapes", default="T3,Q8B")
     args = ap.parse_args()
-    dist.init_process_group("nccl")
+    cuda = torch.cuda.is_available()
+    dist.init_process_group("nccl" if cuda else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    torch.cuda.set_device(rank)
-    dev = torch.device("cuda", rank)
+    if cuda:
+        torch.cuda.set_device(rank)
+    dev = torch.device("cuda", rank) if cuda else torch.device("cpu")
     rows = []
-    for name, (n, hd, v) in SHAPES.items():
+    for name in args.shapes.split(","):
+        n, hd, v = SHAPES[name]
         v_local = v // world
         h, w, t, g = (x.to(dev) for x in inputs(n, hd, v))
         ws = w[rank * v_local:(rank + 1) * v_local].contiguous()
