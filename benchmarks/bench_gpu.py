@@ -156,7 +156,8 @@ class Torch:
 
     @staticmethod
     def fwd_bwd(fn, h, w, t, g):
-        """(median ms, peak extra MB) of one training step."""
+        """(median ms, peak extra MB allocated, peak extra MB reserved by the caching allocator) of
+        one training step."""
         def step():
             h.grad = w.grad = None
             torch.autograd.backward(fn(h, w, t), g)
@@ -165,10 +166,12 @@ class Torch:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()  # inputs and the previous step's gradients
+        base_reserved = torch.cuda.memory_reserved()
         step()
         torch.cuda.synchronize()
         mem_mb = (torch.cuda.max_memory_allocated() - base) / 2 ** 20
-        return do_bench(step, warmup=25, rep=150, return_mode="median"), mem_mb
+        reserved_mb = (torch.cuda.max_memory_reserved() - base_reserved) / 2 ** 20
+        return do_bench(step, warmup=25, rep=150, return_mode="median"), mem_mb, reserved_mb
 
     @staticmethod
     def grads(fn, h, w, t, g):
@@ -188,7 +191,7 @@ class Jax:
     @staticmethod
     def fwd_bwd(fn, h, w, t, g):
         f, args = _jax_grad(fn), _to_jax(h, w, t.int(), g)
-        return _time_ms(f, *args), f.lower(*args).compile().memory_analysis().temp_size_in_bytes / 2 ** 20
+        return _time_ms(f, *args), f.lower(*args).compile().memory_analysis().temp_size_in_bytes / 2 ** 20, None
 
     @staticmethod
     def grads(fn, h, w, t, g):
@@ -275,7 +278,7 @@ def measure(frontend, fwd, train, case, fwd_cache):
             ms, logp = frontend.forward(fwd, case.h, case.w, case.t)
             fwd_cache[fwd] = dict(fwd_ms=ms, logp_rel=rel_err(logp[case.sample], case.logp_ref))
         r.update(fwd_cache[fwd])
-        r["fb_ms"], r["fb_mem_mb"] = frontend.fwd_bwd(train, case.h, case.w, case.t, case.g)
+        r["fb_ms"], r["fb_mem_mb"], r["fb_reserved_mb"] = frontend.fwd_bwd(train, case.h, case.w, case.t, case.g)
         if case.grad_ref is not None:
             dh, dw = frontend.grads(train, *case.grad_inputs)
             r.update(dh_rel=rel_err(dh, case.grad_ref[0]), dw_rel=rel_err(dw, case.grad_ref[1]))

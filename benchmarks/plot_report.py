@@ -22,8 +22,8 @@ COLORS = {"rlk_xla_fast": "#1f4e9c", "rlk_xla_lean": "#7fa7e0", "torch_bridge_fa
           "torch_bridge_lean": "#8fd19e", "jax_ref": "#e08a1e", "jax_chunked": "#f3c27a", "tokamax": "#b5651d",
           "torch_native": "#7b4fa0", "liger": "#c0392b", "cce": "#e377c2"}
 MEM_FLOOR = 0.1  # MB: the bottom of the log-scale memory plot
-COLUMNS = ("path", "fwd ms", "fwd/GEMM", "fwd+bwd ms", "fwd+bwd/GEMM", "peak extra MB", "logp rel err", "dH rel",
-           "dW rel")
+COLUMNS = ("path", "fwd ms", "fwd/GEMM", "fwd+bwd ms", "fwd+bwd/GEMM", "peak extra MB", "torch peak reserved MB",
+           "logp rel err", "dH rel", "dW rel")
 
 
 def path_order(rows):
@@ -59,7 +59,8 @@ def shape_table(row):
             label += " (failed)"
             errors.append(f"- {name}: `{p['error']}`")
         cells = [label, _num(p.get("fwd_ms"), ".2f"), _num(p.get("fwd_x_gemm"), ".2f"), _num(p.get("fb_ms"), ".2f"),
-                 _num(p.get("fb_x_gemm"), ".2f"), _mb(p.get("fb_mem_mb")), _num(p.get("logp_rel"), ".1e"),
+                 _num(p.get("fb_x_gemm"), ".2f"), _mb(p.get("fb_mem_mb")), _mb(p.get("fb_reserved_mb")),
+                 _num(p.get("logp_rel"), ".1e"),
                  _num(p.get("dh_rel"), ".1e"), _num(p.get("dw_rel"), ".1e")]
         lines.append("| " + " | ".join(cells) + " |")
     if errors:
@@ -203,6 +204,7 @@ def _mem_max(rows):
 
 
 def write_report(data, out):
+    os.makedirs(out, exist_ok=True)
     write_table(data, os.path.join(out, "benchmarks_table.md"))
     if data["rows"]:
         plot_time(data["rows"], os.path.join(out, "benchmarks_time.png"))
