@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
-import os
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax import lax
+
+import rlk_common as common
 
 from ._core import core
 
@@ -54,36 +55,23 @@ def _shape(x, name):
 def parse(hidden, weight, targets, *, bias, temperature, ignore_index, vocab_start, real_vocab_size,
           axis_name) -> Args:
     hs, ws, ts = _shape(hidden, "hidden"), _shape(weight, "weight"), _shape(targets, "targets")
-    if len(hs) < 1:
-        raise ValueError(f"hidden must be [..., H], got shape {hs}")
-    if len(ws) != 2:
-        raise ValueError(f"weight must be [V, H], got shape {ws}")
-    if ws[1] != hs[-1]:
-        raise ValueError(f"weight's hidden size {ws[1]} does not match hidden's {hs[-1]} (weight {ws}, hidden {hs})")
+    common.check_shapes(hs, ws, ts, None if bias is None else _shape(bias, "bias"))
     if not jnp.issubdtype(hidden.dtype, jnp.floating):
         raise TypeError(f"hidden must be floating point, got {hidden.dtype}")
     if weight.dtype != hidden.dtype:
         raise TypeError(f"weight dtype {weight.dtype} differs from hidden dtype {hidden.dtype}")
     if not jnp.issubdtype(targets.dtype, jnp.integer):
         raise TypeError(f"targets must be integer token ids, got {targets.dtype}")
-    if ts != hs[:-1]:
-        raise ValueError(f"targets shape {ts} must equal hidden's leading shape {hs[:-1]}")
-    if bias is not None:
-        bs = _shape(bias, "bias")
-        if bs != (ws[0],):
-            raise ValueError(f"bias must be [V] = ({ws[0]},), got shape {bs}")
-        if bias.dtype != weight.dtype:
-            raise TypeError(f"bias dtype {bias.dtype} differs from weight dtype {weight.dtype}")
-    if not isinstance(ignore_index, numbers.Integral):
-        raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
+    if bias is not None and bias.dtype != weight.dtype:
+        raise TypeError(f"bias dtype {bias.dtype} differs from weight dtype {weight.dtype}")
+    ignore_index = common.check_ignore_index(ignore_index)
 
     n = 1
     for d in ts:
         n *= d
-    if isinstance(temperature, numbers.Real) and not isinstance(temperature, bool):
-        if not (float(temperature) > 0.0 and float(temperature) < float("inf")):
-            raise ValueError(f"temperature must be a finite number > 0, got {temperature}")
-        temp, temp_is_array = jnp.full((n,), temperature, F32), False
+    scalar = common.scalar_temperature(temperature)
+    if scalar is not None:
+        temp, temp_is_array = jnp.full((n,), scalar, F32), False
     else:
         tshape = _shape(temperature, "temperature")
         if not jnp.issubdtype(temperature.dtype, jnp.floating):
@@ -105,9 +93,7 @@ def parse(hidden, weight, targets, *, bias, temperature, ignore_index, vocab_sta
         elif not isinstance(vocab_start, numbers.Integral) or vocab_start < 0:
             raise ValueError(f"vocab_start must be an int >= 0, got {vocab_start}")
     v_global = v_local * tp
-    real = v_global if real_vocab_size is None else real_vocab_size
-    if not isinstance(real, numbers.Integral) or not 0 < real <= v_global:
-        raise ValueError(f"real_vocab_size must be an int in [1, {v_global}] (the padded vocab), got {real_vocab_size}")
+    real = common.real_vocab(real_vocab_size, v_global)
 
     return Args(hidden=hidden.reshape(n, hs[-1]), weight=weight, bias=bias,
                 targets=targets.reshape(n).astype(jnp.int32), temperature=temp, temperature_is_array=temp_is_array,
@@ -127,24 +113,14 @@ def validate_targets(targets, vocab_size: int, ignore_index: int = -100) -> None
                          f"ignore_index={ignore_index} ({bad.size} bad ids in all)")
 
 
-BACKWARDS = ("auto", "fast", "lean")
-DEFAULT_BACKWARD_MEMORY_BUDGET = 4 << 30  # bytes; env RLK_BACKWARD_MEMORY_BUDGET overrides
-
-
-def kept_logits_bytes(n: int, v_local: int, dtype) -> int:
-    """Extra memory of the fast backward: the kept logits, fp16 (fp32 for fp32 operands)."""
-    return n * v_local * (4 if jnp.dtype(dtype) == jnp.dtype(F32) else 2)
+def kept_logits_dtype(dtype):
+    """The kept logits' dtype (backward="fast"): fp16 for 16-bit operands (3 more mantissa bits than
+    bf16; values saturate at +-65504), fp32 for fp32 operands."""
+    return F32 if jnp.dtype(dtype) == jnp.dtype(F32) else jnp.float16
 
 
 def resolve_backward(backward: str, n: int, v_local: int, dtype, budget) -> str:
-    """"fast" or "lean". auto: fast when the kept logits fit the budget (bytes; None: env
-    RLK_BACKWARD_MEMORY_BUDGET, else DEFAULT_BACKWARD_MEMORY_BUDGET)."""
-    if backward not in BACKWARDS:
-        raise ValueError(f"backward must be one of {BACKWARDS}, got {backward!r}")
-    if budget is None:
-        budget = int(os.environ.get("RLK_BACKWARD_MEMORY_BUDGET", DEFAULT_BACKWARD_MEMORY_BUDGET))
-    if not isinstance(budget, numbers.Integral) or budget < 0:
-        raise ValueError(f"backward_memory_budget must be an int >= 0 (bytes), got {budget!r}")
-    if backward != "auto":
-        return backward
-    return "fast" if kept_logits_bytes(n, v_local, dtype) <= budget else "lean"
+    """"fast" or "lean" (rlk_common.resolve_backward): auto is fast when the kept logits,
+    n * v_local of kept_logits_dtype, fit the budget (bytes; None: env RLK_BACKWARD_MEMORY_BUDGET,
+    else 4 GiB)."""
+    return common.resolve_backward(backward, n * v_local * jnp.dtype(kept_logits_dtype(dtype)).itemsize, budget)

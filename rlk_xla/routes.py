@@ -7,28 +7,20 @@ jax.debug.callback), never at trace time.
 from __future__ import annotations
 
 import collections
-import os
 import threading
 
 import jax
 import numpy as np
 
-from ._core import core
+from rlk_common import MODES, backend_counts as _backend_counts, resolve_mode  # noqa: F401
 
-MODES = ("off", "auto", "strict", "audit")
+from ._core import core
 
 _lock = threading.Lock()
 _reference = {"calls": 0, "tokens": 0}
 _fallbacks: collections.Counter = collections.Counter()
 _AUDIT_ZERO = {"calls": 0, "rows": 0, "sum_abs_dlogp": 0.0, "max_abs_dlogp": 0.0, "unequal_rows": 0, "equal_rows": 0}
 _audit = dict(_AUDIT_ZERO)
-
-
-def resolve_mode(mode: str | None) -> str:
-    mode = mode if mode is not None else os.environ.get("RLK_MODE", "auto")
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}, got {mode!r} (argument mode or env RLK_MODE)")
-    return mode
 
 
 def count_reference(tokens: int, reason: str | None) -> None:
@@ -62,8 +54,7 @@ def record_audit(ours, ref) -> None:
 def route_stats() -> dict:
     """Counters since the last reset: fused calls/tokens per backend (forward and backward), the
     reference path's calls/tokens, fallbacks by reason, and the audit summary."""
-    backends = {name: dict(zip(("fwd_calls", "fwd_tokens", "bwd_calls", "bwd_tokens", "bwd_fast_calls"), counts))
-                for name, counts in core.route_counts().items()}
+    backends = _backend_counts(core)
     with _lock:
         audit = dict(_audit)
         audit["mean_abs_dlogp"] = audit["sum_abs_dlogp"] / audit["rows"] if audit["rows"] else 0.0

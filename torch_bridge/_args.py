@@ -7,18 +7,18 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
-import os
 from typing import Any
 
 import torch
+
+import rlk_common as common
+from rlk_common import BACKWARDS, DEFAULT_BACKWARD_MEMORY_BUDGET  # noqa: F401  (torch_bridge's API)
 
 from ._core import core
 
 F32 = torch.float32
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 DTYPE_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
-BACKWARDS = ("auto", "fast", "lean")
-DEFAULT_BACKWARD_MEMORY_BUDGET = 4 << 30  # bytes of kept logits "auto" accepts (per shard)
 
 
 @dataclasses.dataclass
@@ -80,39 +80,27 @@ def _same_device(x, ref, name):
 def parse(hidden, weight, targets, *, bias, temperature, ignore_index, vocab_start, real_vocab_size,
           tp_group) -> Args:
     hs, ws, ts = _tensor(hidden, "hidden"), _tensor(weight, "weight"), _tensor(targets, "targets")
-    if len(hs) < 1:
-        raise ValueError(f"hidden must be [..., H], got shape {hs}")
-    if len(ws) != 2:
-        raise ValueError(f"weight must be [V, H], got shape {ws}")
-    if ws[1] != hs[-1]:
-        raise ValueError(f"weight's hidden size {ws[1]} does not match hidden's {hs[-1]} (weight {ws}, hidden {hs})")
+    common.check_shapes(hs, ws, ts, None if bias is None else _tensor(bias, "bias"))
     if not hidden.dtype.is_floating_point:
         raise TypeError(f"hidden must be floating point, got {hidden.dtype}")
     if weight.dtype != hidden.dtype:
         raise TypeError(f"weight dtype {weight.dtype} differs from hidden dtype {hidden.dtype}")
     if targets.dtype.is_floating_point or targets.dtype.is_complex or targets.dtype == torch.bool:
         raise TypeError(f"targets must be integer token ids, got {targets.dtype}")
-    if ts != hs[:-1]:
-        raise ValueError(f"targets shape {ts} must equal hidden's leading shape {hs[:-1]}")
     _same_device(weight, hidden, "weight")
     _same_device(targets, hidden, "targets")
     if bias is not None:
-        bs = _tensor(bias, "bias")
-        if bs != (ws[0],):
-            raise ValueError(f"bias must be [V] = ({ws[0]},), got shape {bs}")
         if bias.dtype != weight.dtype:
             raise TypeError(f"bias dtype {bias.dtype} differs from weight dtype {weight.dtype}")
         _same_device(bias, hidden, "bias")
-    if not isinstance(ignore_index, numbers.Integral) or isinstance(ignore_index, bool):
-        raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
+    ignore_index = common.check_ignore_index(ignore_index)
 
     n = 1
     for d in ts:
         n *= d
-    if isinstance(temperature, numbers.Real) and not isinstance(temperature, bool):
-        if not (float(temperature) > 0.0 and float(temperature) < float("inf")):
-            raise ValueError(f"temperature must be a finite number > 0, got {temperature}")
-        temp, temp_is_array = torch.full((n,), float(temperature), dtype=F32, device=hidden.device), False
+    scalar = common.scalar_temperature(temperature)
+    if scalar is not None:
+        temp, temp_is_array = torch.full((n,), scalar, dtype=F32, device=hidden.device), False
     else:
         tshape = _tensor(temperature, "temperature")
         if not temperature.dtype.is_floating_point:
@@ -137,9 +125,7 @@ def parse(hidden, weight, targets, *, bias, temperature, ignore_index, vocab_sta
             raise ValueError(f"vocab_start must be rank * V_local = {rank * v_local} (equal vocab shards in rank "
                              f"order), got {vocab_start}")
     v_global = v_local * tp
-    real = v_global if real_vocab_size is None else real_vocab_size
-    if not isinstance(real, numbers.Integral) or isinstance(real, bool) or not 0 < real <= v_global:
-        raise ValueError(f"real_vocab_size must be an int in [1, {v_global}] (the padded vocab), got {real_vocab_size}")
+    real = common.real_vocab(real_vocab_size, v_global)
 
     return Args(hidden=hidden.reshape(n, hs[-1]), weight=weight, bias=bias,
                 targets=targets.reshape(n).to(torch.int32), temperature=temp, temperature_is_array=temp_is_array,
@@ -177,36 +163,10 @@ def kept_logits_dtype(dtype: torch.dtype) -> torch.dtype:
     return F32 if dtype == F32 else torch.float16
 
 
-def backward_memory_budget(budget) -> int:
-    """Bytes of kept logits backward="auto" may spend: `budget`, else env RLK_BACKWARD_MEMORY_BUDGET,
-    else 4 GiB."""
-    name = "backward_memory_budget"
-    if budget is None:
-        env = os.environ.get("RLK_BACKWARD_MEMORY_BUDGET")
-        if env is None:
-            return DEFAULT_BACKWARD_MEMORY_BUDGET
-        name = "env RLK_BACKWARD_MEMORY_BUDGET"
-        try:
-            budget = int(env)
-        except ValueError:
-            raise ValueError(f"{name} must be an int number of bytes >= 0, got {env!r}") from None
-    if not isinstance(budget, numbers.Integral) or isinstance(budget, bool):
-        raise TypeError(f"{name} must be an int number of bytes, got {type(budget).__name__}")
-    if budget < 0:
-        raise ValueError(f"{name} must be >= 0 bytes, got {budget}")
-    return int(budget)
-
-
 def resolve_backward(backward: str, n: int, v_local: int, dtype: torch.dtype, budget=None) -> str:
-    """The backward strategy of one call, "fast" or "lean".
+    """The backward strategy of one call, "fast" or "lean" (rlk_common.resolve_backward).
     fast: the forward also writes this shard's logits [n, v_local] (kept_logits_dtype) and the
     backward reads them instead of recomputing them; lean: the backward recomputes them chunk by
     chunk (small workspace). auto: fast when n * v_local * itemsize <= the budget (bytes; None:
     env RLK_BACKWARD_MEMORY_BUDGET, else 4 GiB), else lean."""
-    if backward not in BACKWARDS:
-        raise ValueError(f"backward must be one of {BACKWARDS}, got {backward!r}")
-    budget = backward_memory_budget(budget)  # checked for every strategy: a bad value is never ignored
-    if backward != "auto":
-        return backward
-    kept = n * v_local * kept_logits_dtype(dtype).itemsize
-    return "fast" if kept <= budget else "lean"
+    return common.resolve_backward(backward, n * v_local * kept_logits_dtype(dtype).itemsize, budget)

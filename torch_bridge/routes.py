@@ -8,14 +8,13 @@ the call is traced, once per compilation).
 from __future__ import annotations
 
 import collections
-import os
 import threading
 
 import torch
 
-from ._core import core
+from rlk_common import MODES, backend_counts as _backend_counts, resolve_mode  # noqa: F401
 
-MODES = ("off", "auto", "strict", "audit")
+from ._core import core
 
 _lock = threading.Lock()
 _reference = {"calls": 0, "tokens": 0}
@@ -74,13 +73,6 @@ class AuditLog:
 _audit = AuditLog()
 
 
-def resolve_mode(mode: str | None) -> str:
-    mode = mode if mode is not None else os.environ.get("RLK_MODE", "auto")
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}, got {mode!r} (argument mode or env RLK_MODE)")
-    return mode
-
-
 def count_reference(tokens: int, reason: str | None) -> None:
     """One call of the reference path; `reason` is the fallback's, None for mode=off."""
     with _lock:
@@ -111,11 +103,8 @@ def record_audit(ours: torch.Tensor, ref: torch.Tensor) -> dict:
     return _audit.record(ours, ref)
 
 
-COUNT_NAMES = ("fwd_calls", "fwd_tokens", "bwd_calls", "bwd_tokens", "bwd_fast_calls")
-
-
 def backend_counts() -> dict:
-    return {name: dict(zip(COUNT_NAMES, counts)) for name, counts in core.route_counts().items()}
+    return _backend_counts(core)
 
 
 def route_stats() -> dict:

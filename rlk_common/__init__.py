@@ -1,0 +1,102 @@
+"""The framework-neutral rules both frontends (rlk_xla, torch_bridge) share: the modes, the
+backward strategies and their memory budget, and the compiled module's route counters.
+
+Imports neither jax nor torch: each frontend passes in what only it knows (the byte size of the
+kept logits, from its own dtypes).
+"""
+from __future__ import annotations
+
+import numbers
+import os
+
+MODES = ("off", "auto", "strict", "audit")
+BACKWARDS = ("auto", "fast", "lean")
+DEFAULT_BACKWARD_MEMORY_BUDGET = 4 << 30  # bytes of kept logits backward="auto" may spend (per shard)
+COUNT_NAMES = ("fwd_calls", "fwd_tokens", "bwd_calls", "bwd_tokens", "bwd_fast_calls")
+
+
+class BudgetTypeError(TypeError, ValueError):
+    """A budget that is not an int: a TypeError by kind, and a ValueError for callers that treat
+    every bad option value alike (as numpy's AxisError is both an IndexError and a ValueError)."""
+
+
+def check_shapes(hidden: tuple, weight: tuple, targets: tuple, bias: tuple | None) -> None:
+    """ValueError naming the argument unless hidden is [..., H], weight [V, H], targets hidden's
+    leading shape and bias (None: no bias) [V]."""
+    if len(hidden) < 1:
+        raise ValueError(f"hidden must be [..., H], got shape {hidden}")
+    if len(weight) != 2:
+        raise ValueError(f"weight must be [V, H], got shape {weight}")
+    if weight[1] != hidden[-1]:
+        raise ValueError(f"weight's hidden size {weight[1]} does not match hidden's {hidden[-1]} "
+                         f"(weight {weight}, hidden {hidden})")
+    if targets != hidden[:-1]:
+        raise ValueError(f"targets shape {targets} must equal hidden's leading shape {hidden[:-1]}")
+    if bias is not None and bias != (weight[0],):
+        raise ValueError(f"bias must be [V] = ({weight[0]},), got shape {bias}")
+
+
+def check_ignore_index(ignore_index) -> int:
+    if not isinstance(ignore_index, numbers.Integral) or isinstance(ignore_index, bool):
+        raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
+    return int(ignore_index)
+
+
+def scalar_temperature(temperature) -> float | None:
+    """A Python number: checked finite and > 0, as a float; anything else (an array) None."""
+    if not isinstance(temperature, numbers.Real) or isinstance(temperature, bool):
+        return None
+    if not (float(temperature) > 0.0 and float(temperature) < float("inf")):
+        raise ValueError(f"temperature must be a finite number > 0, got {temperature}")
+    return float(temperature)
+
+
+def real_vocab(real_vocab_size, v_global: int) -> int:
+    """The real (unpadded) vocab size: the argument, else the padded global vocab."""
+    real = v_global if real_vocab_size is None else real_vocab_size
+    if not isinstance(real, numbers.Integral) or isinstance(real, bool) or not 0 < real <= v_global:
+        raise ValueError(f"real_vocab_size must be an int in [1, {v_global}] (the padded vocab), got {real_vocab_size}")
+    return int(real)
+
+
+def resolve_mode(mode: str | None) -> str:
+    mode = mode if mode is not None else os.environ.get("RLK_MODE", "auto")
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r} (argument mode or env RLK_MODE)")
+    return mode
+
+
+def backward_memory_budget(budget) -> int:
+    """Bytes of kept logits backward="auto" may spend: `budget`, else env RLK_BACKWARD_MEMORY_BUDGET,
+    else DEFAULT_BACKWARD_MEMORY_BUDGET."""
+    name = "backward_memory_budget"
+    if budget is None:
+        env = os.environ.get("RLK_BACKWARD_MEMORY_BUDGET")
+        if env is None:
+            return DEFAULT_BACKWARD_MEMORY_BUDGET
+        name = "env RLK_BACKWARD_MEMORY_BUDGET"
+        try:
+            budget = int(env)
+        except ValueError:
+            raise ValueError(f"{name} must be an int number of bytes >= 0, got {env!r}") from None
+    if not isinstance(budget, numbers.Integral) or isinstance(budget, bool):
+        raise BudgetTypeError(f"{name} must be an int number of bytes, got {type(budget).__name__}")
+    if budget < 0:
+        raise ValueError(f"{name} must be >= 0 bytes, got {budget}")
+    return int(budget)
+
+
+def resolve_backward(backward: str, kept_bytes: int, budget=None) -> str:
+    """"fast" or "lean". kept_bytes: what fast would keep (the frontend knows its dtypes). auto is
+    fast when that fits the budget (inclusive). The budget is checked whatever the strategy."""
+    if backward not in BACKWARDS:
+        raise ValueError(f"backward must be one of {BACKWARDS}, got {backward!r}")
+    budget = backward_memory_budget(budget)
+    if backward != "auto":
+        return backward
+    return "fast" if kept_bytes <= budget else "lean"
+
+
+def backend_counts(core) -> dict:
+    """The compiled module's route counters, {backend: {count name: value}}."""
+    return {name: dict(zip(COUNT_NAMES, counts)) for name, counts in core.route_counts().items()}
