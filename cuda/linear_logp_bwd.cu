@@ -15,6 +15,7 @@
 #include "blas.h"
 #include "linear_logp_cuda.h"
 #include "lp_gemm_portable.cuh"  // to_f / from_f
+#include "lp_internal.h"
 
 namespace rlk::cuda {
 namespace {
@@ -295,7 +296,7 @@ size_t backward_workspace_bytes(const Problem& p, bool fast) {
 }
 
 Status backward(const Problem& p, const BwdArgs& a, Workspace ws, cudaStream_t stream) {
-  if (p.n < 0 || p.h <= 0 || p.v <= 0) return "rlk cuda: bad problem shape";
+  if (Status s = detail::check_shape(p)) return s;
   const size_t need = backward_workspace_bytes(p, a.logits != nullptr);
   if (ws.bytes < need || (need && !ws.ptr)) return "rlk cuda: backward workspace too small";
   switch (p.dtype) {

@@ -293,13 +293,8 @@ size_t forward_workspace_bytes(const Problem& p) {
   return size_t(fwd_rows_per_pass(p)) * size_t(total_splits(p)) * kStatWidth * sizeof(float);
 }
 
-static Status validate(const Problem& p) {
-  if (p.n < 0 || p.h <= 0 || p.v <= 0 || p.chunk <= 0 || p.v % p.chunk != 0) return "rlk cuda: bad problem shape";
-  return nullptr;
-}
-
 Status forward(const Problem& p, const FwdArgs& a, Workspace ws, cudaStream_t stream, Backend* ran) {
-  if (Status s = validate(p)) return s;
+  if (Status s = check_shape(p)) return s;
   if (ran) *ran = forward_backend(p);
   if (p.n == 0) return nullptr;
   if (ws.bytes < forward_workspace_bytes(p) || (forward_workspace_bytes(p) && !ws.ptr))

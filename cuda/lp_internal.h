@@ -10,6 +10,12 @@
 
 namespace rlk::cuda::detail {
 
+// The shapes every call takes: rows >= 0, h and v > 0, canonical chunks that tile the local vocab.
+inline Status check_shape(const Problem& p) {
+  if (p.n < 0 || p.h <= 0 || p.v <= 0 || p.chunk <= 0 || p.v % p.chunk != 0) return "rlk cuda: bad problem shape";
+  return nullptr;
+}
+
 // ---- forward split geometry -------------------------------------------------------------------
 // A canonical chunk is cut into "splits" of kSplitCols consecutive columns counted from the
 // chunk's first column (the last split of a chunk may be shorter). One CTA owns one (row tile,

@@ -36,10 +36,20 @@ namespace nb = nanobind;
 
 namespace {
 
-template <class Fn>
-nb::capsule capsule_of(Fn* fn) {
-  return nb::capsule(reinterpret_cast<void*>(fn));
+#if RLK_HAVE_XLA_FFI
+using Handler = XLA_FFI_Error*(XLA_FFI_CallFrame*);
+
+// One platform's FFI targets, by the names the frontend calls them.
+nb::dict targets(Handler* forward, Handler* forward_keep, Handler* combine, Handler* backward,
+                 Handler* backward_fast) {
+  nb::dict d;
+  const std::pair<const char*, Handler*> named[] = {{"rlk_forward", forward}, {"rlk_forward_keep", forward_keep},
+                                                    {"rlk_combine", combine}, {"rlk_backward", backward},
+                                                    {"rlk_backward_fast", backward_fast}};
+  for (const auto& [name, fn] : named) d[name] = nb::capsule(reinterpret_cast<void*>(fn));
+  return d;
 }
+#endif
 
 rlk::Problem shape_problem(int64_t n, int64_t h, int64_t v, int64_t chunk, int dtype, bool has_bias,
                            bool with_entropy) {
@@ -234,21 +244,9 @@ NB_MODULE(_rlk_core, m) {
   m.def("ffi_targets", [] {
     nb::dict out;
 #if RLK_HAVE_XLA_FFI
-    nb::dict cpu;
-    cpu["rlk_forward"] = capsule_of(RlkForwardCpu);
-    cpu["rlk_forward_keep"] = capsule_of(RlkForwardKeepCpu);
-    cpu["rlk_combine"] = capsule_of(RlkCombineCpu);
-    cpu["rlk_backward"] = capsule_of(RlkBackwardCpu);
-    cpu["rlk_backward_fast"] = capsule_of(RlkBackwardFastCpu);
-    out["cpu"] = cpu;
+    out["cpu"] = targets(RlkForwardCpu, RlkForwardKeepCpu, RlkCombineCpu, RlkBackwardCpu, RlkBackwardFastCpu);
 #if RLK_HAVE_CUDA
-    nb::dict gpu;
-    gpu["rlk_forward"] = capsule_of(RlkForwardCuda);
-    gpu["rlk_forward_keep"] = capsule_of(RlkForwardKeepCuda);
-    gpu["rlk_combine"] = capsule_of(RlkCombineCuda);
-    gpu["rlk_backward"] = capsule_of(RlkBackwardCuda);
-    gpu["rlk_backward_fast"] = capsule_of(RlkBackwardFastCuda);
-    out["CUDA"] = gpu;
+    out["CUDA"] = targets(RlkForwardCuda, RlkForwardKeepCuda, RlkCombineCuda, RlkBackwardCuda, RlkBackwardFastCuda);
 #endif
 #endif
     return out;
