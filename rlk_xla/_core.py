@@ -12,9 +12,6 @@ except ImportError as e:  # pragma: no cover - only when the build is missing
 
 import jax
 
-FFI_TARGETS = ("rlk_forward", "rlk_combine", "rlk_backward")
-
-
 @functools.lru_cache(maxsize=None)
 def registered_platforms() -> tuple[str, ...]:
     """Register every FFI target the build has, once; return the platforms ("cpu", "CUDA")."""

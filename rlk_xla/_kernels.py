@@ -7,12 +7,14 @@ handlers take a trailing scratch buffer sized by the library, the CPU handlers n
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from ._args import kept_logits_dtype
 from ._compat import result_type
 from ._core import core, has_platform, registered_platforms
 
@@ -75,12 +77,6 @@ def _bias_arg(bias):
     return bias if bias is not None else jnp.zeros((0,), F32)
 
 
-def logits_dtype(dtype):
-    """The kept logits' dtype: fp16 for 16-bit operands (3 more mantissa bits than bf16; values
-    saturate at +-65504), fp32 for fp32 operands."""
-    return F32 if jnp.dtype(dtype) == jnp.dtype(F32) else jnp.float16
-
-
 def forward(hidden, weight, bias, targets, temperature, cfg: KernelConfig, keep_logits: bool = False):
     """bias: [v] f32 or None; temperature [n] f32 (the kernels form 1/T). -> stats [n, v/chunk, STAT_WIDTH] f32, target_logit [n] f32 (0 where
     the target is not a real id of this shard)[, with keep_logits the logits [n, v] for the fast
@@ -89,7 +85,7 @@ def forward(hidden, weight, bias, targets, temperature, cfg: KernelConfig, keep_
     args = (hidden, weight, _bias_arg(bias), targets, temperature)
     results = (_sds((n, v // cfg.chunk, STAT_WIDTH), F32, args), _sds((n,), F32, args))
     if keep_logits:
-        results += (_sds((n, v), logits_dtype(hidden.dtype), args),)
+        results += (_sds((n, v), kept_logits_dtype(hidden.dtype), args),)
     name = "rlk_forward_keep" if keep_logits else "rlk_forward"
     return _on_platform(results, _workspace(hidden, weight, cfg)[0], name, args, cfg.attrs())
 
@@ -124,9 +120,10 @@ def backward(hidden, weight, bias, targets, temperature, lse, entropy, g, e, cfg
     return tuple(out[:4])
 
 
+@functools.lru_cache(maxsize=None)
 def _prepare_cuda():
-    """cuBLAS handles for every local GPU, now at trace time: creating one inside the CUDA graph
-    XLA may capture the backward into would fail."""
+    """cuBLAS handles for every local GPU, at the first backward's trace, once per process: creating
+    one inside the CUDA graph XLA may capture the backward into would fail."""
     if not has_platform("CUDA"):
         return
     try:

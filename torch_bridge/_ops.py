@@ -24,6 +24,7 @@ but Inductor fails to lower a mutated Optional argument that is None -- torch 2.
 from __future__ import annotations
 
 import contextlib
+import functools
 
 from typing import Optional, Tuple
 
@@ -53,12 +54,18 @@ def _c(t: Optional[Tensor]) -> Optional[Tensor]:
 FORWARD, BACKWARD_LEAN, BACKWARD_FAST = range(3)  # the order of core.cuda_workspace_bytes's sizes
 
 
+@functools.lru_cache(maxsize=None)
+def _prepare_backward(device_index: int) -> None:
+    """cuBLAS (the backward's GEMMs) and its handle for this device, once per process: creating the
+    handle inside a CUDA-graph capture fails, so capture after one warm-up step."""
+    core.cuda_prepare_backward(device_index)
+
+
 def _workspace(hidden: Tensor, v: int, chunk: int, has_bias: bool, with_entropy: bool, which: int):
     if hidden.device.type != "cuda":
         return None
-    if which != FORWARD:  # cuBLAS (the backward's GEMMs): a no-op once the device's handle exists;
-        # creating it inside a CUDA-graph capture fails, so capture after one warm-up step
-        core.cuda_prepare_backward(hidden.device.index)
+    if which != FORWARD:
+        _prepare_backward(hidden.device.index)
     nbytes = core.cuda_workspace_bytes(hidden.shape[0], hidden.shape[1], v, chunk, DTYPE_CODE[hidden.dtype],
                                        has_bias, with_entropy)[which]
     return torch.empty((nbytes,), dtype=torch.uint8, device=hidden.device) if nbytes > 0 else None
