@@ -20,7 +20,8 @@ Results go to OUT/benchmarks.json after every shape, with the table and plots of
     python benchmarks/bench_gpu.py --skip-accuracy     # no float64 gradients (faster)
 
 Times: torch paths with triton.testing.do_bench (median, CUDA events); JAX paths with wall time
-around block_until_ready (median of 10) as in ../shared/anchors. Memory: torch: the peak allocated
+per call over calls issued back to back, then block_until_ready (median of 10 such batches), so
+that neither frontend's host latency counts (../shared/anchors timed single JAX calls). Memory: torch: the peak allocated
 during one fwd+bwd step beyond what was live before it (the inputs, and the previous step's
 gradients, which the step frees before making its own); JAX: XLA's compiled temp bytes of the
 jitted fwd+bwd (arguments and outputs excluded).
@@ -212,8 +213,11 @@ def _jax_grad(fn):
 
 
 def _time_ms(f, *args):
+    """Device time per call: calls batched back to back (about 20 ms per sample), so that JAX's
+    dispatch and sync latency does not count, as for do_bench's torch timings."""
     from rlk_xla.cli import time_ms
-    return time_ms(f, *args, iters=10)
+    one = time_ms(f, *args, iters=3)
+    return time_ms(f, *args, iters=10, batch=max(1, min(100, int(20 / max(one, 1e-3)))))
 
 
 def rlk_xla_route(h, w, t):

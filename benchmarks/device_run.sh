@@ -5,6 +5,8 @@
 #   test     pytest -m gpu (JAX and torch on one GPU); jaxtest: the JAX GPU tests only
 #   check    python -m rlk_xla check
 #   bench    benchmarks/bench_gpu.py over every shape of DESIGN.md section 6 (env BENCH_ARGS: more options)
+#   benchpar one bench_gpu.py per GPU at once, GPU k taking the k-th ';'-separated shape list of
+#            BENCH_SPLIT (e.g. "L16k,T1;T3,H200-pub"); results in $OUT/bench.tgz (gpuK/ folders)
 #   tp       benchmarks/tp_gpu.py (JAX, all GPUs) and tp_torch.py (torchrun, NCCL), cross-frontend check
 set -o pipefail
 cd "$(dirname "$0")/.."
@@ -34,6 +36,15 @@ for step in "$@"; do
       timeout ${BENCH_TIMEOUT:-540} python3 benchmarks/bench_gpu.py --out "$OUT" ${BENCH_ARGS:-} 2>/tmp/rlk-out/bench.err \
         | tail -n 60 | tee -a "$LOG"
       tail -n 20 /tmp/rlk-out/bench.err >> "$LOG" ;;
+    benchpar)
+      IFS=';' read -ra lists <<< "$BENCH_SPLIT"
+      for k in "${!lists[@]}"; do
+        CUDA_VISIBLE_DEVICES=$k timeout ${BENCH_TIMEOUT:-540} python3 benchmarks/bench_gpu.py --out /tmp/rlk-out/gpu$k \
+          --shapes "${lists[$k]}" ${BENCH_ARGS:-} > /tmp/rlk-out/bench$k.log 2>&1 &
+      done
+      wait
+      for k in "${!lists[@]}"; do tail -n 40 /tmp/rlk-out/bench$k.log | grep -v "it/s\]" >> "$LOG"; done
+      (cd /tmp/rlk-out && tar czf "$OUT/bench.tgz" gpu*/ bench*.log) ;;
     jaxtest)
       timeout ${TEST_TIMEOUT:-400} python3 -m pytest -q -m gpu tests/test_gpu_jax.py -p no:cacheprovider 2>&1 | tail -n 40 | tee -a "$LOG"
       ;;

@@ -2,6 +2,7 @@
 
     python benchmarks/plot_report.py docs/benchmarks.json             # writes next to the JSON
     python benchmarks/plot_report.py /tmp/out/benchmarks.json --out docs
+    python benchmarks/plot_report.py g0/benchmarks.json g1/benchmarks.json --out docs   # merged runs
 
 writes benchmarks_table.md (one table per shape), benchmarks_time.png (fwd and fwd+bwd time as a
 ratio to the cuBLAS GEMM of the same shape, one panel per shape) and benchmarks_memory.png (peak
@@ -77,14 +78,16 @@ def header(meta):
         "# linear_logp side by side", "",
         f"Measured {meta['date']} on {meta['gpu']}. Versions: {versions}" + (f" (not installed: {missing})."
                                                                              if missing else "."),
-        f"Command: `{meta['command']}`", "",
+        *([f"Command: `{meta['command']}`"] if "runs" not in meta else
+          ["Commands (the shapes split over GPUs or calls):"] +
+          [f"- `{run['command']}` ({run['date']}, {run['gpu']})" for run in meta["runs"]]), "",
         "- **Paths:** `rlk_xla_*` (JAX) and `torch_bridge_*` (PyTorch) are this project's fused op with "
         "`backward=\"fast\"` (keeps the fp16 logits of the forward) or `backward=\"lean\"` (recomputes them chunk "
         "by chunk); fast and lean share one forward, measured once. Peers: `jax_ref` (materialized logits), "
         "`jax_chunked` (lax.map + remat), `tokamax`, `torch_native` (materialized logits), `liger` (Liger FLCE), "
         "`cce` (Cut Cross-Entropy, exact). The route of rlk_xla is in brackets.",
         "- **Time:** median ms; x/GEMM is the ratio to the cuBLAS bf16 GEMM of the same shape (torch: "
-        "triton do_bench; JAX: wall time around block_until_ready). Targets: fwd 1.10, fast fwd+bwd 3.4, "
+        "triton do_bench; JAX: wall time per call over calls issued back to back). Targets: fwd 1.10, fast fwd+bwd 3.4, "
         "lean fwd+bwd 4.5.",
         "- **Peak extra MB (fwd+bwd):** torch: peak allocated during one step beyond its inputs and gradients; "
         "JAX: XLA's temp bytes of the jitted step.",
@@ -211,14 +214,33 @@ def write_report(data, out):
         plot_memory(data["rows"], os.path.join(out, "benchmarks_memory.png"))
 
 
+def merge(datas):
+    """One report of several bench_gpu.py runs (shapes split over GPUs or calls): the rows in run
+    order, a later run's row replacing an earlier one of the same shape; each run's command kept."""
+    rows = {}
+    for d in datas:
+        rows.update({r["shape"]: r for r in d["rows"]})
+    meta = dict(datas[0]["meta"])
+    meta["runs"] = [dict(command=d["meta"]["command"], date=d["meta"]["date"], gpu=d["meta"]["gpu"]) for d in datas]
+    return dict(meta=meta, rows=list(rows.values()))
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("json", help="benchmarks.json of bench_gpu.py")
-    ap.add_argument("--out", help="output folder (default: the JSON's folder)")
+    ap.add_argument("json", nargs="+", help="benchmarks.json of one or more bench_gpu.py runs")
+    ap.add_argument("--out", help="output folder (default: the first JSON's folder)")
     args = ap.parse_args()
-    with open(args.json) as f:
-        data = json.load(f)
-    write_report(data, args.out or os.path.dirname(os.path.abspath(args.json)))
+    datas = []
+    for path in args.json:
+        with open(path) as f:
+            datas.append(json.load(f))
+    data = datas[0] if len(datas) == 1 else merge(datas)
+    out = args.out or os.path.dirname(os.path.abspath(args.json[0]))
+    if len(datas) > 1:
+        os.makedirs(out, exist_ok=True)
+        with open(os.path.join(out, "benchmarks.json"), "w") as f:
+            json.dump(data, f, indent=1)
+    write_report(data, out)
 
 
 if __name__ == "__main__":

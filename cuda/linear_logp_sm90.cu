@@ -24,7 +24,12 @@
 //                       shuffles. Exponentials use ex2 on log2e-scaled logits; (m, s, a) are
 //                       converted back to natural units per tile and merged with stats_merge.
 //                       With kKeep it also stores the tile's z as fp16 (the fast backward's kept
-//                       logits); otherwise logits never leave registers.
+//                       logits) through the tile store below; otherwise logits never leave
+//                       registers.
+//   * tile store      - (kKeep) stmatrix puts half a tile (64x128 fp16) into a 128-byte-swizzled
+//                       staging buffer per consumer warpgroup, and one thread hands it to a TMA
+//                       store: the copy to global memory runs while the consumers go on with the
+//                       statistics and the next tile's MMAs.
 // Per-(row, split) partials go to the workspace; the finalize kernel of linear_logp_cuda.cu merges
 // them per chunk exactly as for the portable kernel. Every row goes through the same instruction
 // sequence whatever its position in the tile, and the split geometry is relative to the chunk
@@ -47,9 +52,14 @@ namespace {
 
 constexpr int kBM = 128, kBN = 256, kBK = 64;
 constexpr int kABytes = kBM * kBK * 2, kBBytes = kBN * kBK * 2, kStageBytes = kABytes + kBBytes;
-// Shared memory: the stage ring and the mbarriers.
+// Shared memory: the stage ring, the tile store's staging (kKeep: 64 rows x 128 fp16 columns per
+// consumer warpgroup, as two 64x64 TMA boxes of 8 KB; half a tile, so that four stages still fit in
+// the 227 KB an sm_90 block may have) and the mbarriers.
 constexpr int kStages = 4;
-constexpr int kSmemBytes = kStages * kStageBytes + 1024 /*alignment*/ + 256 /*barriers*/;
+constexpr int kBoxCols = 64, kBoxBytes = 64 * kBoxCols * 2, kHalfCols = 2 * kBoxCols;
+constexpr int kStagingBytes = 2 /*warpgroups*/ * 2 /*boxes*/ * kBoxBytes;
+constexpr int kSmemBytes = kStages * kStageBytes + kStagingBytes + 1024 /*alignment*/ + 256 /*barriers*/;
+static_assert(kSmemBytes <= 232448, "sm_90 dynamic shared memory per block");
 constexpr int kThreads = 384;  // producer warpgroup + 2 consumer warpgroups
 constexpr int64_t kGroupRows = 16;
 static_assert(kSplitCols % kBN == 0, "a split is a whole number of column tiles");
@@ -123,6 +133,7 @@ struct Params {
   float* part;        // [rows, nsplit, kStatWidth]
   __half* kept;       // [rows, ldk] kept logits (kKeep only)
   int64_t ldk;
+  bool kept_tma;      // the kept logits' tensor map is valid (16-byte aligned rows)
 };
 
 // ---- epilogue: fold one 64x256 accumulator tile into the two rows' running statistics ----------
@@ -130,61 +141,78 @@ struct Params {
 // (d[4j+2], d[4j+3]) at columns 8j + 2(l%4) + {0,1}, j = 0..31.
 // Kept logits: fp16 of z (d holds z * log2e), clamped to +-kMaxKeptLogit; two columns as a word.
 __device__ __forceinline__ uint32_t kept_pair(float a, float b) {
-  const __half2 h = __floats2half2_rn(fminf(fmaxf(a * kLn2, -kMaxKeptLogit), kMaxKeptLogit),
-                                      fminf(fmaxf(b * kLn2, -kMaxKeptLogit), kMaxKeptLogit));
-  return *reinterpret_cast<const uint32_t*>(&h);
+  // satfinite: |z| past the fp16 range (and the -inf of masked columns) becomes +-kMaxKeptLogit
+  uint32_t w;  // a in the low half (the lower column)
+  asm("cvt.rn.satfinite.f16x2.f32 %0, %1, %2;\n" : "=r"(w) : "f"(b * kLn2), "f"(a * kLn2));
+  return w;
 }
-__device__ __forceinline__ uint32_t pick4(int i, uint32_t a, uint32_t b, uint32_t c, uint32_t d) {
-  return i == 0 ? a : i == 1 ? b : i == 2 ? c : d;  // selects: no dynamically indexed registers
+// ---- tile store (kKeep) ---------------------------------------------------------------------------
+// A consumer warpgroup's staging buffer holds half a tile, 64 rows x 128 columns, as two 64x64
+// boxes in TMA's 128-byte swizzle (16-byte chunk c of row r sits at chunk c ^ (r % 8)): stmatrix
+// then writes eight rows of one chunk column into eight different bank groups.
+__device__ __forceinline__ uint32_t staging_addr(uint32_t buf, int row, int col) {
+  const int c = col % kBoxCols;
+  return buf + (col / kBoxCols) * kBoxBytes + row * (kBoxCols * 2) + ((((c / 8) ^ (row % 8))) << 4) + (c % 8) * 2;
 }
+__device__ __forceinline__ void stmatrix_x4(uint32_t addr, uint32_t r0, uint32_t r1, uint32_t r2, uint32_t r3) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(r0), "r"(r1),
+               "r"(r2), "r"(r3) : "memory");
+}
+__device__ __forceinline__ void tma_store_2d(const CUtensorMap* map, uint32_t src, int32_t c0, int32_t c1) {
+  asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%1, %2}], [%3];\n"
+               ::"l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(src) : "memory");
+}
+__device__ __forceinline__ void tma_store_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
+// The staging buffer may be rewritten once the stores issued from it have read it.
+__device__ __forceinline__ void tma_store_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); }
+__device__ __forceinline__ void tma_store_wait_all() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
+// Generic-proxy writes to shared memory made visible to the TMA (async proxy) that reads them.
+__device__ __forceinline__ void fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+// Named barrier of one consumer warpgroup (ids 1, 2; id 0 is __syncthreads).
+__device__ __forceinline__ void warpgroup_sync(int cw) { asm volatile("bar.sync %0, 128;\n" ::"r"(cw + 1) : "memory"); }
 
-// The tile's z (this thread's two rows) as fp16 kept logits. A quad of lanes holds a row's 8-column
-// group j two columns per lane (columns 8j + 2q, q = lane % 4). Over four groups a 4x4 exchange of
-// words inside the quad hands lane q all 8 columns of group 4g + q, so a warp stores 64-byte row
-// segments with 16-byte stores (instead of 16-byte segments with 4-byte stores), which keeps the
-// consumers' store traffic off the critical path. The exchange runs on every lane (shuffles need
-// the whole warp); only the stores are predicated on the row and column bounds.
-__device__ __forceinline__ void store_kept(const float* d, int64_t t0, int64_t col_end, const Params& P, int64_t rowA) {
-  const int q = threadIdx.x % 4;
-  const int quad = threadIdx.x & 31 & ~3;
-  const bool vec = ((P.ldk | t0) & 7) == 0;  // 16-byte aligned groups (a chunk may start anywhere)
+// The tile's z (this warpgroup's 64 rows) as fp16 kept logits, half a tile at a time through the
+// staging buffer. One thread issues the TMA stores, which clip at the tensor's edge (rows past the
+// pass, columns past v). A tile that ends inside the next chunk's columns (chunk % kBN != 0), or
+// kept logits that TMA cannot address (v % 8 != 0), go out by plain bounded stores instead.
+__device__ __forceinline__ void store_kept(const float* d, int64_t t0, int64_t col_end, const Params& P,
+                                           const CUtensorMap* tmK, uint32_t buf, int cw, int64_t row0) {
+  const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
+  const bool tma = P.kept_tma && (t0 + kBN <= col_end || col_end == P.ldk);
   const int lim = int(min(col_end - t0, int64_t(kBN)));  // columns of this tile to write
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int64_t row = rowA + 8 * r;
-    const bool live = row < P.rows;
-    __half* out = P.kept + (live ? row : 0) * P.ldk + t0;  // 32-bit column offsets from here
-    if (vec) {
+  for (int half = 0; half < 2; ++half) {
+    if (tid == 0) tma_store_wait_read();
+    warpgroup_sync(cw);
+    // stmatrix: matrix k = lane / 8 of column groups (j, j + 1) x row halves; lane gives row lane % 8
+    const int k = lane / 8, srow = warp * 16 + (k % 2) * 8 + lane % 8;
 #pragma unroll
-      for (int g = 0; g < 8; ++g) {
-        uint32_t v[4], w[4] = {0u, 0u, 0u, 0u};
-#pragma unroll
-        for (int k = 0; k < 4; ++k) v[k] = kept_pair(d[4 * (4 * g + k) + 2 * r], d[4 * (4 * g + k) + 2 * r + 1]);
-#pragma unroll
-        for (int k = 0; k < 4; ++k) {
-          // round k: lane q reads lane p = (q + k) % 4, which sends its word of group 4g + q
-          const int p = (q + k) & 3;
-          const uint32_t got = __shfl_sync(0xffffffffu, pick4((q - k) & 3, v[0], v[1], v[2], v[3]), quad | p);
-#pragma unroll
-          for (int i = 0; i < 4; ++i) w[i] = i == p ? got : w[i];
-        }
-        const int c = 8 * (4 * g + q);
-        if (live && c + 8 <= lim) {
-          *reinterpret_cast<uint4*>(out + c) = make_uint4(w[0], w[1], w[2], w[3]);
-        } else if (live) {
-          const __half* hw = reinterpret_cast<const __half*>(w);
-          for (int i = 0; i < 8; ++i)
-            if (c + i < lim) out[c + i] = hw[i];
-        }
+    for (int jj = 0; jj < 16; jj += 2) {
+      const int j = 16 * half + jj;
+      stmatrix_x4(staging_addr(buf, srow, 8 * (jj + k / 2)), kept_pair(d[4 * j], d[4 * j + 1]),
+                  kept_pair(d[4 * j + 2], d[4 * j + 3]), kept_pair(d[4 * j + 4], d[4 * j + 5]),
+                  kept_pair(d[4 * j + 6], d[4 * j + 7]));
+    }
+    const int64_t c0 = t0 + half * kHalfCols;
+    if (tma) {
+      fence_async_smem();
+      warpgroup_sync(cw);
+      if (tid == 0) {
+        for (int b = 0; b < 2; ++b)
+          if (c0 + b * kBoxCols < P.ldk) tma_store_2d(tmK, buf + b * kBoxBytes, int32_t(c0 + b * kBoxCols), int32_t(row0));
+        tma_store_commit();
       }
-    } else if (live) {
-#pragma unroll
-      for (int j = 0; j < 32; ++j) {
-        const int c = 8 * j + 2 * q;
-        const uint32_t x = kept_pair(d[4 * j + 2 * r], d[4 * j + 2 * r + 1]);
-        const __half* hx = reinterpret_cast<const __half*>(&x);
-        if (c < lim) out[c] = hx[0];
-        if (c + 1 < lim) out[c + 1] = hx[1];
+    } else {
+      warpgroup_sync(cw);
+      const unsigned char* sbuf = static_cast<const unsigned char*>(__cvta_shared_to_generic(buf));
+      for (int i = tid; i < 64 * kHalfCols / 8; i += 128) {
+        const int r = i / (kHalfCols / 8), c = (i % (kHalfCols / 8)) * 8;
+        if (row0 + r >= P.rows) continue;
+        const uint4 w = *reinterpret_cast<const uint4*>(sbuf + (staging_addr(buf, r, c) - buf));
+        const __half* hw = reinterpret_cast<const __half*>(&w);
+        __half* out = P.kept + (row0 + r) * P.ldk + c0;
+        for (int e = 0; e < 8; ++e)
+          if (half * kHalfCols + c + e < lim) out[c + e] = hw[e];
       }
     }
   }
@@ -192,7 +220,8 @@ __device__ __forceinline__ void store_kept(const float* d, int64_t t0, int64_t c
 
 template <bool kBf16, bool kMask, bool kKeep>
 __device__ __forceinline__ void epilogue_stats(float* d, int64_t t0, int64_t col_end, const Params& P, float itA,
-                                               float itB, int64_t rowA, float (&run)[2][3]) {
+                                               float itB, const CUtensorMap* tmK, uint32_t buf, int cw,
+                                               int64_t row0, float (&run)[2][3]) {
   const int cq = 2 * (threadIdx.x % 4);
   float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
@@ -209,7 +238,7 @@ __device__ __forceinline__ void epilogue_stats(float* d, int64_t t0, int64_t col
       mx[1] = fmaxf(mx[1], d[4 * j + 2 + e]);
     }
   }
-  if constexpr (kKeep) store_kept(d, t0, col_end, P, rowA);
+  if constexpr (kKeep) store_kept(d, t0, col_end, P, tmK, buf, cw, row0);
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
@@ -268,11 +297,12 @@ __device__ __forceinline__ Unit unit_of(int64_t L, const Params& P) {
 template <bool kBf16, bool kKeep>
 __global__ void __launch_bounds__(kThreads, 1)
     sm90_forward_kernel(const __grid_constant__ CUtensorMap tmA, const __grid_constant__ CUtensorMap tmB,
-                        const Params P) {
+                        const __grid_constant__ CUtensorMap tmK, const Params P) {
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   unsigned char* smem = reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   const uint32_t sbase = smem_u32(smem);
-  const uint32_t bar_full = sbase + kStages * kStageBytes;  // kStages x 8 bytes
+  const uint32_t staging = sbase + kStages * kStageBytes;  // 1024-aligned, as the swizzle needs
+  const uint32_t bar_full = staging + kStagingBytes;  // kStages x 8 bytes
   const uint32_t bar_empty = bar_full + kStages * 8;
   const int KB = P.kblocks;
 
@@ -314,13 +344,22 @@ __global__ void __launch_bounds__(kThreads, 1)
     uint32_t phase = 0;
     float d[128];
     const Unit u = unit_of(blockIdx.x, P);
-    const int64_t rowA = u.r0 + cw * 64 + warp * 16 + lane / 4, rowB = rowA + 8;
+    const int64_t row0 = u.r0 + cw * 64, rowA = row0 + warp * 16 + lane / 4, rowB = rowA + 8;
+    const uint32_t buf = staging + cw * 2 * kBoxBytes;
+    // A warpgroup whose 64 rows all lie past the pass (the last row tile of a small n) only hands
+    // the stages back: no MMAs, no epilogue.
+    const bool idle = row0 >= P.rows;
     const float itA = (rowA < P.rows ? reciprocal(P.temperature[rowA]) : 1.f) * kLog2e;
     const float itB = (rowB < P.rows ? reciprocal(P.temperature[rowB]) : 1.f) * kLog2e;
     float run[2][3] = {{-INFINITY, 0.f, 0.f}, {-INFINITY, 0.f, 0.f}};
     for (int t = 0; t < u.ntiles; ++t) {
       for (int kb = 0; kb < KB; ++kb) {
         mbar_wait(bar_full + 8 * stage, phase);
+        if (idle) {
+          if (lane == 0) mbar_arrive(bar_empty + 8 * stage);
+          if (++stage == kStages) { stage = 0; phase ^= 1; }
+          continue;
+        }
         const uint32_t sa = sbase + stage * kStageBytes;
         const uint64_t da = smem_desc(sa + cw * 64 * 128);
         const uint64_t db = smem_desc(sa + kABytes);
@@ -335,14 +374,16 @@ __global__ void __launch_bounds__(kThreads, 1)
         prev = stage;
         if (++stage == kStages) { stage = 0; phase ^= 1; }
       }
+      if (idle) continue;
       wgmma_wait<0>();
       if (lane == 0) mbar_arrive(bar_empty + 8 * prev);
       const int64_t t0 = u.col0 + int64_t(t) * kBN;
       if (t0 + kBN <= u.col_end && P.vocab_start + t0 + kBN <= P.real_vocab)
-        epilogue_stats<kBf16, false, kKeep>(d, t0, u.col_end, P, itA, itB, rowA, run);
+        epilogue_stats<kBf16, false, kKeep>(d, t0, u.col_end, P, itA, itB, &tmK, buf, cw, row0, run);
       else
-        epilogue_stats<kBf16, true, kKeep>(d, t0, u.col_end, P, itA, itB, rowA, run);
+        epilogue_stats<kBf16, true, kKeep>(d, t0, u.col_end, P, itA, itB, &tmK, buf, cw, row0, run);
     }
+    if (kKeep && threadIdx.x % 128 == 0) tma_store_wait_all();  // staging stays live until read
     if ((lane & 3) == 0) {
       if (rowA < P.rows) {
         float* o = P.part + (rowA * P.nsplit + u.cu) * kStatWidth;
@@ -375,25 +416,28 @@ const char* ensure_encode() {
   return g_encode ? nullptr : "rlk cuda: cuTensorMapEncodeTiled unavailable";
 }
 
-// A K-major operand: `outer` rows of `inner` (K) elements, row stride ld elements.
-bool make_map(CUtensorMap* m, bool bf16, const void* ptr, int64_t inner, int64_t outer, int64_t ld, uint32_t box_outer) {
+// A row-major 2-D tensor of 2-byte elements: `outer` rows of `inner` elements, row stride ld
+// elements, moved in boxes of box_inner x box_outer with the 128-byte swizzle. The operands are
+// K-major (inner = K, box_inner = kBK); the kept logits are [rows, v] (box 64 x 64).
+bool make_map(CUtensorMap* m, CUtensorMapDataType type, const void* ptr, int64_t inner, int64_t outer, int64_t ld,
+              uint32_t box_inner, uint32_t box_outer) {
   const cuuint64_t dims[2] = {cuuint64_t(inner), cuuint64_t(outer)};
   const cuuint64_t strides[1] = {cuuint64_t(ld) * 2};
-  const cuuint32_t box[2] = {uint32_t(kBK), box_outer};
+  const cuuint32_t box[2] = {box_inner, box_outer};
   const cuuint32_t es[2] = {1, 1};
-  return g_encode(m, bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 2, const_cast<void*>(ptr),
-                  dims, strides, box, es, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                  CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+  return g_encode(m, type, 2, const_cast<void*>(ptr), dims, strides, box, es, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                  CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                  CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
 template <bool kKeep>
-const char* launch(bool bf16, const CUtensorMap& ma, const CUtensorMap& mb, const Params& P, int64_t units,
-                   cudaStream_t stream) {
+const char* launch(bool bf16, const CUtensorMap& ma, const CUtensorMap& mb, const CUtensorMap& mk, const Params& P,
+                   int64_t units, cudaStream_t stream) {
   const auto kern = bf16 ? sm90_forward_kernel<true, kKeep> : sm90_forward_kernel<false, kKeep>;
   // Set on every call (host-only, legal under stream capture): the attribute is per device.
   if (cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes) != cudaSuccess)
     return "rlk cuda: cudaFuncSetAttribute failed (sm90)";
-  if (units > 0) kern<<<unsigned(units), kThreads, kSmemBytes, stream>>>(ma, mb, P);
+  if (units > 0) kern<<<unsigned(units), kThreads, kSmemBytes, stream>>>(ma, mb, mk, P);
   if (cudaGetLastError() != cudaSuccess) return "rlk cuda: sm90 kernel launch failed";
   return nullptr;
 }
@@ -405,16 +449,21 @@ const char* sm90_forward_partials(const Problem& p, const void* hidden, int64_t 
   if ((reinterpret_cast<uintptr_t>(hidden) | reinterpret_cast<uintptr_t>(weight)) & 15) return kSm90Misaligned;
   if (const char* e = ensure_encode()) return e;
   const bool bf16 = p.dtype == DType::kBF16;
-  CUtensorMap ma, mb;
-  if (!make_map(&ma, bf16, hidden, p.h, rows, p.h, kBM) || !make_map(&mb, bf16, weight, p.h, p.v, p.h, kBN))
+  const CUtensorMapDataType type = bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
+  CUtensorMap ma, mb, mk{};
+  if (!make_map(&ma, type, hidden, p.h, rows, p.h, kBK, kBM) || !make_map(&mb, type, weight, p.h, p.v, p.h, kBK, kBN))
     return "rlk cuda: tensor map encoding failed";
+  // TMA stores need 16-byte aligned starts: the base, and tile columns, which are chunk-relative
+  // (chunk % 8 == 0 also makes v % 8 == 0). Otherwise the kept logits go out by plain stores.
+  const bool kept_tma = kept && p.chunk % 8 == 0 && (reinterpret_cast<uintptr_t>(kept) & 15) == 0 &&
+                        make_map(&mk, CU_TENSOR_MAP_DATA_TYPE_FLOAT16, kept, p.v, rows, p.v, kBoxCols, 64);
   Params P{};
   P.rows = rows; P.chunk = p.chunk; P.spc = splits_per_chunk(p.chunk); P.nsplit = total_splits(p);
   P.vocab_start = p.vocab_start; P.real_vocab = p.real_vocab; P.row_tiles = (rows + kBM - 1) / kBM;
   P.kblocks = int32_t(p.h / kBK); P.bias = p.has_bias ? bias : nullptr; P.temperature = temperature; P.part = part;
-  P.kept = static_cast<__half*>(kept); P.ldk = p.v;
+  P.kept = static_cast<__half*>(kept); P.ldk = p.v; P.kept_tma = kept_tma;
   const int64_t units = P.row_tiles * P.nsplit;
-  return kept ? launch<true>(bf16, ma, mb, P, units, stream) : launch<false>(bf16, ma, mb, P, units, stream);
+  return kept ? launch<true>(bf16, ma, mb, mk, P, units, stream) : launch<false>(bf16, ma, mb, mk, P, units, stream);
 }
 
 }  // namespace rlk::cuda::detail

@@ -105,14 +105,18 @@ def check(device_name: str = "default") -> int:
     return 0 if ok else 1
 
 
-def time_ms(fn, *args, iters: int = 10) -> float:
-    """Median wall time (ms) of a JAX callable around block_until_ready, after one warm-up call."""
+def time_ms(fn, *args, iters: int = 10, batch: int = 1) -> float:
+    """Median wall time (ms) per call of a JAX callable, after one warm-up call: each of `iters`
+    samples times `batch` calls issued back to back and one block_until_ready, so that with
+    batch > 1 the host's dispatch and sync latency overlap the device work (as in do_bench)."""
     jax.block_until_ready(fn(*args))
     ts = []
     for _ in range(iters):
         t0 = time.perf_counter()
+        for _ in range(batch - 1):
+            fn(*args)
         jax.block_until_ready(fn(*args))
-        ts.append(time.perf_counter() - t0)
+        ts.append((time.perf_counter() - t0) / batch)
     return float(np.median(ts)) * 1e3
 
 
