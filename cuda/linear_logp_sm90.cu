@@ -18,6 +18,9 @@
 //                       accumulators in registers) and frees a stage on its "empty" mbarrier once
 //                       the wgmma that read it has retired (wait_group 1 keeps one batch in
 //                       flight). setmaxnreg moves registers from the producer to the consumers.
+//                       No branch may sit around the wgmma issue (e.g. skipping a warpgroup whose
+//                       rows lie past n): ptxas then serialises every wgmma (C7518), measured 15%
+//                       slower.
 //   * epilogue        - folds each 64x256 logit tile, straight from the accumulator registers,
 //                       into per-row running (m, s, a): a row's 256 values live in one quad of
 //                       lanes (64 per lane), so a tile costs a thread-local pass plus two xor
@@ -346,20 +349,12 @@ __global__ void __launch_bounds__(kThreads, 1)
     const Unit u = unit_of(blockIdx.x, P);
     const int64_t row0 = u.r0 + cw * 64, rowA = row0 + warp * 16 + lane / 4, rowB = rowA + 8;
     const uint32_t buf = staging + cw * 2 * kBoxBytes;
-    // A warpgroup whose 64 rows all lie past the pass (the last row tile of a small n) only hands
-    // the stages back: no MMAs, no epilogue.
-    const bool idle = row0 >= P.rows;
     const float itA = (rowA < P.rows ? reciprocal(P.temperature[rowA]) : 1.f) * kLog2e;
     const float itB = (rowB < P.rows ? reciprocal(P.temperature[rowB]) : 1.f) * kLog2e;
     float run[2][3] = {{-INFINITY, 0.f, 0.f}, {-INFINITY, 0.f, 0.f}};
     for (int t = 0; t < u.ntiles; ++t) {
       for (int kb = 0; kb < KB; ++kb) {
         mbar_wait(bar_full + 8 * stage, phase);
-        if (idle) {
-          if (lane == 0) mbar_arrive(bar_empty + 8 * stage);
-          if (++stage == kStages) { stage = 0; phase ^= 1; }
-          continue;
-        }
         const uint32_t sa = sbase + stage * kStageBytes;
         const uint64_t da = smem_desc(sa + cw * 64 * 128);
         const uint64_t db = smem_desc(sa + kABytes);
@@ -374,7 +369,6 @@ __global__ void __launch_bounds__(kThreads, 1)
         prev = stage;
         if (++stage == kStages) { stage = 0; phase ^= 1; }
       }
-      if (idle) continue;
       wgmma_wait<0>();
       if (lane == 0) mbar_arrive(bar_empty + 8 * prev);
       const int64_t t0 = u.col0 + int64_t(t) * kBN;
