@@ -5,8 +5,9 @@
     python benchmarks/plot_report.py g0/benchmarks.json g1/benchmarks.json --out docs   # merged runs
 
 writes benchmarks_table.md (one table per shape), benchmarks_time.png (fwd and fwd+bwd time as a
-ratio to the cuBLAS GEMM of the same shape, one panel per shape) and benchmarks_memory.png (peak
-extra memory of fwd+bwd, log scale). bench_gpu.py calls write_report after every shape.
+ratio to the cuBLAS GEMM of the same shape, one panel per shape), benchmarks_memory.png (peak
+extra memory of fwd+bwd, log scale) and benchmarks_tokens.png (fwd+bwd time and memory against
+tokens, for the shapes that differ only in N: T1, T2, T3). bench_gpu.py calls write_report after every shape.
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ COLORS = {"rlk_xla_fast": "#1f4e9c", "rlk_xla_lean": "#7fa7e0", "torch_bridge_fa
           "torch_bridge_lean": "#8fd19e", "jax_ref": "#e08a1e", "jax_chunked": "#f3c27a", "tokamax": "#b5651d",
           "torch_native": "#7b4fa0", "liger": "#c0392b", "cce": "#e377c2"}
 MEM_FLOOR = 0.1  # MB: the bottom of the log-scale memory plot
+ORDER = ("T1", "T2", "T3", "T3-tp1", "Q8B-tp4", "L16k", "H200-pub")  # DESIGN.md section 6
 COLUMNS = ("path", "fwd ms", "fwd/GEMM", "fwd+bwd ms", "fwd+bwd/GEMM", "peak extra MB", "torch peak reserved MB",
            "logp rel err", "dH rel", "dW rel")
 
@@ -201,6 +203,49 @@ def plot_memory(rows, path):
     plt.close(fig)
 
 
+def families(rows):
+    """Rows that differ only in the number of tokens (same h and v), for the plots against tokens."""
+    fam = {}
+    for r in rows:
+        fam.setdefault((r["h"], r["v"]), []).append(r)
+    return {k: sorted(v, key=lambda r: r["n"]) for k, v in fam.items() if len(v) > 1}
+
+
+def plot_tokens(rows, path):
+    """fwd+bwd time and peak extra memory against tokens, one pair of panels per shape family."""
+    plt = _pyplot()
+    fams = families(rows)
+    if plt is None or not fams:
+        return
+    fig, axes = plt.subplots(len(fams), 2, figsize=(13, 4.8 * len(fams)), squeeze=False)
+    for (h, v), (ax_t, ax_m) in zip(fams, axes):
+        fam = fams[(h, v)]
+        ns = [r["n"] for r in fam]
+        label = f"H = {h}, V = {v} ({', '.join(r['shape'] for r in fam)})"
+        ax_t.plot(ns, [r["gemm_ms"] for r in fam], color="black", lw=2, ls="--", label="cuBLAS GEMM (fwd floor)")
+        for name in path_order(fam):
+            style = dict(color=COLORS.get(name, "gray"), marker="o", lw=2.2 if is_ours(name) else 1.2,
+                         label=name)
+            t = [r["paths"].get(name, {}).get("fb_ms") for r in fam]
+            m = [r["paths"].get(name, {}).get("fb_mem_mb") for r in fam]
+            ax_t.plot([n for n, x in zip(ns, t) if x], [x for x in t if x], **style)
+            ax_m.plot([n for n, x in zip(ns, m) if x is not None], [max(x, MEM_FLOOR) for x in m if x is not None],
+                      **style)
+        for ax, what in ((ax_t, "fwd+bwd time, ms"), (ax_m, f"peak extra memory of fwd+bwd, MB (floor {MEM_FLOOR})")):
+            ax.set_xscale("log")
+            ax.set_yscale("log")
+            ax.set_xticks(ns, [str(n) for n in ns])
+            ax.minorticks_off()
+            ax.set_xlabel("tokens N")
+            ax.set_title(f"{what}\n{label}", fontsize=9)
+            ax.grid(alpha=0.3)
+        ax_m.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1), frameon=False)
+    fig.suptitle("against tokens (log-log, lower is better)", fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+
+
 def _mem_max(rows):
     return max((p["fb_mem_mb"] for r in rows for p in r["paths"].values() if p.get("fb_mem_mb") is not None),
                default=1.0)
@@ -212,6 +257,7 @@ def write_report(data, out):
     if data["rows"]:
         plot_time(data["rows"], os.path.join(out, "benchmarks_time.png"))
         plot_memory(data["rows"], os.path.join(out, "benchmarks_memory.png"))
+        plot_tokens(data["rows"], os.path.join(out, "benchmarks_tokens.png"))
 
 
 def merge(datas):
@@ -220,6 +266,8 @@ def merge(datas):
     rows = {}
     for d in datas:
         rows.update({r["shape"]: r for r in d["rows"]})
+    rank = {name: i for i, name in enumerate(ORDER)}
+    rows = dict(sorted(rows.items(), key=lambda kv: rank.get(kv[0], len(ORDER))))
     meta = dict(datas[0]["meta"])
     meta["runs"] = [dict(command=d["meta"]["command"], date=d["meta"]["date"], gpu=d["meta"]["gpu"]) for d in datas]
     return dict(meta=meta, rows=list(rows.values()))

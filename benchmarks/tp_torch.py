@@ -5,7 +5,8 @@
 
 Every rank builds the same inputs as benchmarks/tp_gpu.py (numpy seed 0) and holds its vocab
 shard. Rank 0 also runs TP = 1 on the full weight. Checks: logp/entropy bitwise across TP = 1
-and TP = world, dH against TP = 1; times TP forward and forward+backward per rank, and the
+and TP = world, dH against TP = 1; times TP forward and forward+backward on every rank (and TP = 1
+on rank 0), and the
 share of the statistics exchange (the same all-reduces alone). Writes tp_torch.json and the
 TP logp of each shape (tp_torch_<shape>_logp.npy) for the cross-frontend comparison.
 """
@@ -113,6 +114,10 @@ def main():
 
         out["tp_fwd_ms"] = timed_ms(fwd)
         out["tp_fb_ms"] = timed_ms(fb)
+        per_rank = [None] * world  # every rank's own times, rank order
+        dist.all_gather_object(per_rank, (out["tp_fwd_ms"], out["tp_fb_ms"]))
+        out["per_rank_fwd_ms"] = [f for f, _ in per_rank]
+        out["per_rank_fb_ms"] = [b for _, b in per_rank]
         k = v // _rlk_core.canonical_chunk(v)
         stats = torch.zeros(n, k, 3, device=dev)
         tl = torch.zeros(n, device=dev)
@@ -125,6 +130,12 @@ def main():
             one = lambda: torch_bridge.linear_logp(h1.detach(), w1.detach(), t, mode="strict",  # noqa: E731
                                                    validate_targets=False)
             out["tp1_fwd_ms"] = timed_ms(one, collective=False)
+
+            def one_fb():
+                h1.grad = None
+                w1.grad = None
+                torch.autograd.backward(torch_bridge.linear_logp(h1, w1, t, mode="strict", validate_targets=False), g)
+            out["tp1_fb_ms"] = timed_ms(one_fb, collective=False)
             print(json.dumps(out), flush=True)
         rows.append(out)
         dist.barrier()

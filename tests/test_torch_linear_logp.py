@@ -115,9 +115,14 @@ def test_out_of_range_targets():
     oracle.assert_grad(to_np(grads["weight"]), ref["dw"], "float32", "d weight", ref["dw_abs"])
     # int64 ids beyond int32 never wrap into valid ids
     t2 = d["targets"].clone()
-    t2[0] = 2 ** 32 + 3
+    t2[0], t2[2] = 2 ** 32 + 3, -(2 ** 40)
     out = torch_bridge.linear_logp(d["hidden"], d["weight"], t2, validate_targets=False, **kw)
-    assert torch.isnan(out[0])
+    assert torch.isnan(out[[0, 2]]).all() and not torch.isnan(out[3])
+    # ... nor into ignore_index at the bottom of the int32 range
+    t2[3] = -(2 ** 31)
+    out = torch_bridge.linear_logp(d["hidden"], d["weight"], t2, validate_targets=False, ignore_index=-(2 ** 31),
+                                   **kw)
+    assert torch.isnan(out[[0, 2]]).all() and out[3] == 0
 
 
 def test_ignore_rows_zero_value_and_gradient():
