@@ -136,7 +136,7 @@ struct Params {
   float* part;        // [rows, nsplit, kStatWidth]
   __half* kept;       // [rows, ldk] kept logits (kKeep only)
   int64_t ldk;
-  bool kept_tma;      // the kept logits' tensor map is valid (16-byte aligned rows)
+  bool kept_tma;      // the kept logits go out by TMA (16-byte aligned rows and tile starts)
 };
 
 // ---- epilogue: fold one 64x256 accumulator tile into the two rows' running statistics ----------
