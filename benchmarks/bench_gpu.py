@@ -21,8 +21,8 @@ Results go to OUT/benchmarks.json after every shape, with the table and plots of
 
 Times: torch paths with triton.testing.do_bench (median, CUDA events); JAX paths with wall time
 per call over calls issued back to back, then block_until_ready (median of 10 such batches), so
-that neither frontend's host latency counts (../shared/anchors timed single JAX calls). Memory: torch: the peak allocated
-during one fwd+bwd step beyond what was live before it (the inputs, and the previous step's
+that neither frontend's host latency counts (../shared/anchors timed single JAX calls).
+Memory: torch: the peak allocated during one fwd+bwd step beyond what was live before it (the inputs, and the previous step's
 gradients, which the step frees before making its own); JAX: XLA's compiled temp bytes of the
 jitted fwd+bwd (arguments and outputs excluded).
 """

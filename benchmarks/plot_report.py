@@ -7,7 +7,8 @@
 writes benchmarks_table.md (one table per shape), benchmarks_time.png (fwd and fwd+bwd time as a
 ratio to the cuBLAS GEMM of the same shape, one panel per shape), benchmarks_memory.png (peak
 extra memory of fwd+bwd, log scale) and benchmarks_tokens.png (fwd+bwd time and memory against
-tokens, for the shapes that differ only in N: T1, T2, T3). bench_gpu.py calls write_report after every shape.
+tokens, for the shapes that differ only in N: T1, T2, T3). bench_gpu.py calls write_report after
+every shape.
 """
 from __future__ import annotations
 
@@ -261,8 +262,9 @@ def write_report(data, out):
 
 
 def merge(datas):
-    """One report of several bench_gpu.py runs (shapes split over GPUs or calls): the rows in run
-    order, a later run's row replacing an earlier one of the same shape; each run's command kept."""
+    """One report of several bench_gpu.py runs (shapes split over GPUs or calls): the rows in
+    DESIGN.md order, a later run's row replacing an earlier one of the same shape; each run's
+    command kept."""
     rows = {}
     for d in datas:
         rows.update({r["shape"]: r for r in d["rows"]})

@@ -6,9 +6,9 @@
 Every rank builds the same inputs as benchmarks/tp_gpu.py (numpy seed 0) and holds its vocab
 shard. Rank 0 also runs TP = 1 on the full weight. Checks: logp/entropy bitwise across TP = 1
 and TP = world, dH against TP = 1; times TP forward and forward+backward on every rank (and TP = 1
-on rank 0), and the
-share of the statistics exchange (the same all-reduces alone). Writes tp_torch.json and the
-TP logp of each shape (tp_torch_<shape>_logp.npy) for the cross-frontend comparison.
+on rank 0), and the share of the statistics exchange (the same all-reduces alone). Writes
+tp_torch.json and the TP logp of each shape (tp_torch_<shape>_logp.npy) for the cross-frontend
+comparison.
 """
 from __future__ import annotations
 
@@ -52,6 +52,18 @@ def timed_ms(fn, warmup=5, iters=20, collective=True):
         b.synchronize()
         times.append(a.elapsed_time(b))
     return float(np.median(times))
+
+
+def steps(logp_fn, hh, ww, g):
+    """(forward, forward+backward) of one call: logp_fn() -> logp, differentiable in hh and ww."""
+    def fwd():
+        with torch.no_grad():
+            logp_fn()
+
+    def fb():
+        hh.grad = ww.grad = None
+        torch.autograd.backward(logp_fn(), g)
+    return fwd, fb
 
 
 def inputs(n, hd, v):
@@ -103,15 +115,7 @@ def main():
             out["dh_max_rel_diff_tp1_vs_tp"] = float((hs.grad.float() - h1.grad.float()).norm() / h1.grad.float().norm())
             out["dw_shard_bitwise_tp1_vs_tp"] = bool(torch.equal(w1.grad[:v_local], wsg.grad))
 
-        def fwd():
-            with torch.no_grad():
-                tp_call(hs, wsg)
-
-        def fb():
-            hs.grad = None
-            wsg.grad = None
-            torch.autograd.backward(tp_call(hs, wsg)[0], g)
-
+        fwd, fb = steps(lambda: tp_call(hs, wsg)[0], hs, wsg, g)
         out["tp_fwd_ms"] = timed_ms(fwd)
         out["tp_fb_ms"] = timed_ms(fb)
         per_rank = [None] * world  # every rank's own times, rank order
@@ -127,15 +131,10 @@ def main():
         out["exchange_share_of_fb"] = (out["exchange_fwd_ms"] + out["exchange_bwd_dh_ms"]) / out["tp_fb_ms"]
         out["stats_exchange_share_of_fb"] = out["exchange_fwd_ms"] / out["tp_fb_ms"]
         if rank == 0:  # TP = 1 on this rank alone: no collectives, so no barrier inside
-            one = lambda: torch_bridge.linear_logp(h1.detach(), w1.detach(), t, mode="strict",  # noqa: E731
-                                                   validate_targets=False)
-            out["tp1_fwd_ms"] = timed_ms(one, collective=False)
-
-            def one_fb():
-                h1.grad = None
-                w1.grad = None
-                torch.autograd.backward(torch_bridge.linear_logp(h1, w1, t, mode="strict", validate_targets=False), g)
-            out["tp1_fb_ms"] = timed_ms(one_fb, collective=False)
+            fwd1, fb1 = steps(lambda: torch_bridge.linear_logp(h1, w1, t, mode="strict", validate_targets=False),
+                              h1, w1, g)
+            out["tp1_fwd_ms"] = timed_ms(fwd1, collective=False)
+            out["tp1_fb_ms"] = timed_ms(fb1, collective=False)
             print(json.dumps(out), flush=True)
         rows.append(out)
         dist.barrier()

@@ -123,6 +123,10 @@ def test_out_of_range_targets():
     out = torch_bridge.linear_logp(d["hidden"], d["weight"], t2, validate_targets=False, ignore_index=-(2 ** 31),
                                    **kw)
     assert torch.isnan(out[[0, 2]]).all() and out[3] == 0
+    # ... nor at the top
+    out = torch_bridge.linear_logp(d["hidden"], d["weight"], t2, validate_targets=False, ignore_index=2 ** 31 - 1,
+                                   **kw)
+    assert torch.isnan(out[0])
 
 
 def test_ignore_rows_zero_value_and_gradient():

@@ -94,15 +94,13 @@ def _capturing(t: torch.Tensor) -> bool:
 
 
 def _int32_targets(t: torch.Tensor, ignore_index: int) -> torch.Tensor:
-    """int32 ids for the kernels; int64 ids beyond int32 become an invalid id (NaN row), never wrap.
-    Clamping does it in one kernel: past the top an id is >= every vocab size, past the bottom it is
-    negative, so invalid too, unless the bottom is ignore_index itself (then the exact test runs)."""
+    """int32 ids for the kernels; int64 ids beyond int32 become an invalid id (NaN row), never wrap
+    (nor land on ignore_index, whichever value it has)."""
     if t.dtype == torch.int32:
         return t
     if t.dtype == torch.int64:
-        if ignore_index == _I32_MIN:
-            t = torch.where(t < _I32_MIN, torch.full_like(t, -1), t)
-        t = t.clamp(_I32_MIN, _I32_MAX)
+        invalid = -1 if ignore_index != -1 else -2
+        t = torch.where((t < _I32_MIN) | (t > _I32_MAX), torch.full_like(t, invalid), t)
     return t.to(torch.int32)
 
 
