@@ -193,42 +193,129 @@ Status backward_fast(const Problem& p, const BwdArgs& a, Workspace ws, cudaStrea
 }
 
 // ---- lean ---------------------------------------------------------------------------------------
-constexpr size_t kLeanTileBytes = size_t(144) << 20;  // z (fp32) + dlogit tiles of one (piece, pass)
+// Per (vocab piece, row pass) the tile dlogit[pass rows, piece columns] is formed in the workspace,
+// then the two gradient GEMMs consume it. How the tile is formed:
+//   fused  (the sm90 forward kernel runs here: bf16/fp16, h % 64 == 0, Hopper) the forward kernel
+//          recomputes z and writes dlogit straight from its accumulators (Epi::kDlogit): logits
+//          never reach memory in fp32, and the tile costs what the forward costs;
+//   gemm   otherwise: a cuBLAS GEMM writes z in fp32, dlogit_kernel turns it into dlogit.
+constexpr size_t kLeanTileBytes = size_t(144) << 20;  // the tiles of one (piece, pass)
 
 struct LeanLayout {
+  bool fused;
   int64_t P, R;  // piece columns, rows per pass
-  size_t off_z, off_dlog, off_dwacc, total;
+  size_t off_z, off_dlog, off_dzz, off_dwacc, total;  // from the 256-aligned tile base; total: all of it
 };
 
-// Depends on the shapes and dtype only. Total <= 144 + 64 + 32 MB whatever n and v: the tiles
-// take what the 256 MB budget leaves, since larger GEMMs run closer to cuBLAS's peak.
-LeanLayout lean_layout(const Problem& p) {
-  LeanLayout L{};
+bool lean_fused(const Problem& p) { return forward_backend(p) == Backend::kCudaSm90; }
+
+int64_t lean_piece(const Problem& p) {
   int64_t P = ((int64_t(16) << 20) / p.h) / 256 * 256;  // the fp32 dW piece accumulator <= 64 MB
   P = P < 256 ? 256 : (P > 8192 ? 8192 : P);
   const int64_t v256 = (p.v + 255) / 256 * 256;
-  L.P = P < v256 ? P : v256;
-  const size_t per_row = size_t(L.P) * (4 + dtype_bytes(p.dtype));
-  int64_t rmax = int64_t(kLeanTileBytes / per_row) / 128 * 128;
+  return P < v256 ? P : v256;
+}
+
+// Depends on the shapes, the dtype and the path only. The tiles take what the 256 MB budget
+// leaves (larger GEMMs run closer to cuBLAS's peak): at most tile_bytes, plus the fp32 dW piece
+// accumulator when there is more than one pass, plus cuBLAS's workspace.
+LeanLayout lean_layout(const Problem& p, bool fused, size_t tile_bytes) {
+  LeanLayout L{};
+  L.fused = fused;
+  L.P = lean_piece(p);
+  const size_t eb = dtype_bytes(p.dtype);
+  const int64_t splits = (L.P + detail::kSplitCols - 1) / detail::kSplitCols;
+  const size_t per_row = fused ? size_t(L.P) * eb + size_t(splits) * 4 : size_t(L.P) * (4 + eb);
+  int64_t rmax = int64_t(tile_bytes / per_row) / 128 * 128;
   if (rmax < 128) rmax = 128;
   const int64_t passes = (p.n + rmax - 1) / rmax;
   const int64_t per = passes > 0 ? (p.n + passes - 1) / passes : 1;
   L.R = (per + 127) / 128 * 128;  // equal passes: a fuller last wave
   auto al = [](size_t x) { return (x + 255) & ~size_t(255); };
-  size_t o = blas::kWorkspaceAlloc;  // cuBLAS's workspace first
-  L.off_z = o;    o += al(size_t(L.R) * L.P * 4);
-  L.off_dlog = o; o += al(size_t(L.R) * L.P * dtype_bytes(p.dtype));
+  size_t o = 0;
+  if (!fused) { L.off_z = o; o += al(size_t(L.R) * L.P * 4); }
+  L.off_dlog = o; o += al(size_t(L.R) * L.P * eb);
+  if (fused) { L.off_dzz = o; o += al(size_t(L.R) * splits * 4); }
   L.off_dwacc = o;
   if (p.n > L.R) o += al(size_t(L.P) * p.h * 4);
-  L.total = o;
+  L.total = blas::kWorkspaceAlloc + 256 /*tile base alignment*/ + o;
   return L;
+}
+
+LeanLayout lean_layout(const Problem& p) { return lean_layout(p, lean_fused(p), kLeanTileBytes); }
+
+// dtemp (+)= the row's sum over this piece's splits, in split order; the last piece makes it dT.
+__global__ void dzz_rows_kernel(const float* __restrict__ dzz, int64_t rows, int64_t splits,
+                                const float* __restrict__ temperature, float* __restrict__ dtemp, bool add, bool last) {
+  const int64_t r = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (r >= rows) return;
+  float s = 0.f;
+  for (int64_t k = 0; k < splits; ++k) s += dzz[r * splits + k];
+  s += add ? dtemp[r] : 0.f;
+  dtemp[r] = last ? -reciprocal(temperature[r]) * s : s;
+}
+
+// The dlogit tile of rows [r0, r0 + rn) x piece columns [p0, p0 + pw) (and this tile's share of
+// dtemp, and of db).
+template <typename T>
+Status lean_tile(const Problem& p, const BwdArgs& a, const LeanLayout& L, unsigned char* base, void* ws,
+                 int64_t p0, int64_t pw, int64_t r0, int64_t rn, bool first_pass, cudaStream_t st) {
+  const size_t eb = dtype_bytes(p.dtype);
+  void* dlog = base + L.off_dlog;
+  const bool first_piece = p0 == 0, last_piece = p0 + L.P >= p.v;
+  if (L.fused) {
+#if RLK_HAVE_SM90
+    Problem q = p;  // the piece as a problem of its own: one chunk, whose splits fix dzz's order
+    q.v = pw; q.chunk = pw; q.vocab_start = p.vocab_start + p0; q.n = rn;
+    BwdArgs b = a;
+    b.hidden = static_cast<const unsigned char*>(a.hidden) + r0 * p.h * eb;
+    b.weight = static_cast<const unsigned char*>(a.weight) + p0 * p.h * eb;
+    b.bias = p.has_bias ? a.bias + p0 : nullptr;
+    b.targets = a.targets + r0; b.temperature = a.temperature + r0; b.lse = a.lse + r0; b.g = a.g + r0;
+    if (p.with_entropy && a.e) { b.entropy = a.entropy + r0; b.e = a.e + r0; }
+    float* dzz = a.dtemp ? reinterpret_cast<float*>(base + L.off_dzz) : nullptr;
+    if (Status s = detail::sm90_dlogit(q, b, rn, dlog, L.P, dzz, st)) return s;
+    if (dzz) {
+      dzz_rows_kernel<<<blocks_of(rn, 256), 256, 0, st>>>(dzz, rn, detail::total_splits(q), a.temperature + r0,
+                                                          a.dtemp + r0, !first_piece, last_piece);
+      RLK_CHECK_LAUNCH("rlk cuda: dT kernel launch failed");
+    }
+#endif
+  } else {
+    float* z = reinterpret_cast<float*>(base + L.off_z);
+    const blas::Mat Wp{static_cast<const unsigned char*>(a.weight) + p0 * p.h * eb, p.dtype, pw, p.h, p.h};
+    const blas::Mat Hp{static_cast<const unsigned char*>(a.hidden) + r0 * p.h * eb, p.dtype, rn, p.h, p.h};
+    // z[rn, pw] = H[pass] W[piece]^T   (fp32; bias and 1/T are applied by dlogit_kernel)
+    if (Status s = blas::gemm(st, ws, Hp, false, Wp, true, z, DType::kF32, L.P, 0.f)) return s;
+    DlogitParams q = row_params(p, a, r0);
+    q.z = z; q.ldz = L.P;
+    q.dlog = dlog; q.ldd = L.P;
+    q.cols = pw; q.col0 = p.vocab_start + p0;
+    q.raw = true;
+    q.bias = p.has_bias ? a.bias + p0 : nullptr;
+    q.dzz_add = !first_piece;
+    q.dtemp_last = last_piece;
+    if (Status s = launch_dlogit<float, T>(q, rn, st)) return s;
+  }
+  if (p.has_bias && a.dbias)
+    if (Status s = launch_colsum<T>(dlog, L.P, rn, pw, a.dbias + p0, !first_pass, st)) return s;
+  return nullptr;
 }
 
 template <typename T>
 Status backward_lean(const Problem& p, const BwdArgs& a, Workspace ws, cudaStream_t st) {
-  const LeanLayout L = lean_layout(p);
-  unsigned char* base = static_cast<unsigned char*>(ws.ptr);
-  float* z = reinterpret_cast<float*>(base + L.off_z);
+  LeanLayout L = lean_layout(p);
+  if (L.fused && ((reinterpret_cast<uintptr_t>(a.hidden) | reinterpret_cast<uintptr_t>(a.weight)) & 15)) {
+    // TMA cannot take these operands: the gemm path, its tiles fitted into the fused layout's space
+    const size_t fixed = lean_layout(p, false, 0).total;  // 128-row tiles and the dW accumulator
+    const size_t row128 = size_t(128) * lean_piece(p) * (4 + dtype_bytes(p.dtype));
+    const size_t tiles = ws.bytes > fixed + 1024 ? ws.bytes - fixed - 1024 + row128 : 0;
+    L = lean_layout(p, false, tiles);
+    if (L.total > ws.bytes) return "rlk cuda: lean backward workspace too small for unaligned operands";
+  }
+  void* cublas_ws = ws.ptr;
+  unsigned char* base = reinterpret_cast<unsigned char*>(
+      (reinterpret_cast<uintptr_t>(ws.ptr) + blas::kWorkspaceAlloc + 255) & ~uintptr_t(255));
   void* dlog = base + L.off_dlog;
   float* dwacc = reinterpret_cast<float*>(base + L.off_dwacc);
   const size_t eb = dtype_bytes(p.dtype);
@@ -241,31 +328,19 @@ Status backward_lean(const Problem& p, const BwdArgs& a, Workspace ws, cudaStrea
     const blas::Mat Wp{wgt + p0 * p.h * eb, p.dtype, pw, p.h, p.h};
     for (int64_t pass = 0; pass < npass; ++pass) {
       const int64_t r0 = pass * L.R, rn = p.n - r0 < L.R ? p.n - r0 : L.R;
+      if (Status s = lean_tile<T>(p, a, L, base, cublas_ws, p0, pw, r0, rn, pass == 0, st)) return s;
       const blas::Mat Hp{hid + r0 * p.h * eb, p.dtype, rn, p.h, p.h};
-      // z[rn, pw] = H[pass] W[piece]^T   (fp32; bias and 1/T are applied by dlogit_kernel)
-      if (Status s = blas::gemm(st, ws.ptr, Hp, false, Wp, true, z, DType::kF32, L.P, 0.f)) return s;
-      DlogitParams q = row_params(p, a, r0);
-      q.z = z; q.ldz = L.P;
-      q.dlog = dlog; q.ldd = L.P;
-      q.cols = pw; q.col0 = p.vocab_start + p0;
-      q.raw = true;
-      q.bias = p.has_bias ? a.bias + p0 : nullptr;
-      q.dzz_add = p0 > 0;
-      q.dtemp_last = p0 + L.P >= p.v;
-      if (Status s = launch_dlogit<float, T>(q, rn, st)) return s;
-      if (p.has_bias && a.dbias)
-        if (Status s = launch_colsum<T>(dlog, L.P, rn, pw, a.dbias + p0, pass > 0, st)) return s;
       const blas::Mat D{dlog, p.dtype, rn, pw, L.P};
       // dH[pass] (+)= dlogit W[piece], accumulated over pieces in fp32
-      if (Status s = blas::gemm(st, ws.ptr, D, false, Wp, false, a.dhidden + r0 * p.h, DType::kF32, p.h,
+      if (Status s = blas::gemm(st, cublas_ws, D, false, Wp, false, a.dhidden + r0 * p.h, DType::kF32, p.h,
                                 p0 > 0 ? 1.f : 0.f))
         return s;
       // dW[piece] (+)= dlogit^T H[pass]: straight to dtype with one pass, else through fp32
       if (npass == 1) {
-        if (Status s = blas::gemm(st, ws.ptr, D, true, Hp, false, dw + p0 * p.h * eb, p.dtype, p.h, 0.f)) return s;
+        if (Status s = blas::gemm(st, cublas_ws, D, true, Hp, false, dw + p0 * p.h * eb, p.dtype, p.h, 0.f)) return s;
         continue;
       }
-      if (Status s = blas::gemm(st, ws.ptr, D, true, Hp, false, dwacc, DType::kF32, p.h, pass > 0 ? 1.f : 0.f))
+      if (Status s = blas::gemm(st, cublas_ws, D, true, Hp, false, dwacc, DType::kF32, p.h, pass > 0 ? 1.f : 0.f))
         return s;
       if (pass == npass - 1) {
         to_dtype_kernel<T><<<blocks_of(pw * p.h, 256), 256, 0, st>>>(dwacc, reinterpret_cast<T*>(dw + p0 * p.h * eb),

@@ -47,6 +47,7 @@
 
 #include <cstdint>
 #include <mutex>
+#include <type_traits>
 
 #include "lp_internal.h"
 
@@ -125,6 +126,14 @@ template <bool kBf16> __device__ __forceinline__ void wgmma_tile(float* d, uint6
 }
 
 
+// What the epilogue does with each logit tile (the kernel's template parameter).
+//   kStats   the forward: fold the tile into per-row (m, s, a); logits never leave registers;
+//   kKeep    the same, and also store z as fp16 (the fast backward's kept logits);
+//   kDlogit  the lean backward's recompute: dlogit = dz * inv_temp from the row's lse (and entropy
+//            and upstream gradients), stored in the operand dtype; with a dT, sum_j dz z per
+//            (row, split).
+enum class Epi { kStats, kKeep, kDlogit };
+
 struct Params {
   int64_t rows;       // valid rows of hidden (this pass)
   int64_t row_tiles;
@@ -133,23 +142,43 @@ struct Params {
   int64_t vocab_start, real_vocab;
   const float* bias;  // f32, of local column 0, or null
   const float* temperature;
-  float* part;        // [rows, nsplit, kStatWidth]
-  __half* kept;       // [rows, ldk] kept logits (kKeep only)
-  int64_t ldk;
-  bool kept_tma;      // the kept logits go out by TMA (16-byte aligned rows and tile starts)
+  float* part;        // kStats, kKeep: [rows, nsplit, kStatWidth]; kDlogit: [rows, nsplit] sum dz z, or null
+  uint16_t* out;      // [rows, ldo] 2-byte tile output: kept logits (kKeep) or dlogit (kDlogit)
+  int64_t ldo, cols;  // its row stride and width (columns past `cols` are not written)
+  bool out_tma;       // the output goes out by TMA (16-byte aligned rows and tile starts)
 };
 
-// ---- epilogue: fold one 64x256 accumulator tile into the two rows' running statistics ----------
+// kDlogit's per-row inputs (of this pass). A separate kernel argument, empty for the other kinds:
+// in Params, these 48 bytes made ptxas spill in the forward kernels.
+struct GradRows {
+  const int32_t* targets;
+  const float *lse, *ent, *g, *e;  // ent, e may be null (no entropy term)
+  int64_t ignore_index;
+};
+struct NoGradRows {};
+template <Epi kEpi> using GradArg = std::conditional_t<kEpi == Epi::kDlogit, GradRows, NoGradRows>;
+
+// ---- accumulator layout and the 2-byte packings of the tile store ------------------------------
 // Lane l of warp w (in its warpgroup) holds rows w*16 + l/4 (values d[4j], d[4j+1]) and +8
-// (d[4j+2], d[4j+3]) at columns 8j + 2(l%4) + {0,1}, j = 0..31.
-// Kept logits: fp16 of z (d holds z * log2e), clamped to +-kMaxKeptLogit; two columns as a word.
-__device__ __forceinline__ uint32_t kept_pair(float a, float b) {
-  // satfinite: |z| past the fp16 range (and the -inf of masked columns) becomes +-kMaxKeptLogit
-  uint32_t w;  // a in the low half (the lower column)
-  asm("cvt.rn.satfinite.f16x2.f32 %0, %1, %2;\n" : "=r"(w) : "f"(b * kLn2), "f"(a * kLn2));
-  return w;
-}
-// ---- tile store (kKeep) ---------------------------------------------------------------------------
+// (d[4j+2], d[4j+3]) at columns 8j + 2(l%4) + {0,1}, j = 0..31. A pack turns two columns into a
+// word, the lower column in the low half.
+struct PackKept {  // d holds z * log2e: fp16 of z; satfinite maps |z| past fp16 (and -inf) to +-kMaxKeptLogit
+  __device__ __forceinline__ uint32_t operator()(float a, float b) const {
+    uint32_t w;
+    asm("cvt.rn.satfinite.f16x2.f32 %0, %1, %2;\n" : "=r"(w) : "f"(b * kLn2), "f"(a * kLn2));
+    return w;
+  }
+};
+template <bool kBf16> struct PackDtype {  // d holds dlogit: rounded to the operand dtype (as from_f)
+  __device__ __forceinline__ uint32_t operator()(float a, float b) const {
+    uint32_t w;
+    if constexpr (kBf16) asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(w) : "f"(b), "f"(a));
+    else asm("cvt.rn.f16x2.f32 %0, %1, %2;\n" : "=r"(w) : "f"(b), "f"(a));
+    return w;
+  }
+};
+
+// ---- tile store (kKeep, kDlogit) ------------------------------------------------------------------
 // A consumer warpgroup's staging buffer holds half a tile, 64 rows x 128 columns, as two 64x64
 // boxes in TMA's 128-byte swizzle (16-byte chunk c of row r sits at chunk c ^ (r % 8)): stmatrix
 // then writes eight rows of one chunk column into eight different bank groups.
@@ -174,14 +203,15 @@ __device__ __forceinline__ void fence_async_smem() { asm volatile("fence.proxy.a
 // Named barrier of one consumer warpgroup (ids 1, 2; id 0 is __syncthreads).
 __device__ __forceinline__ void warpgroup_sync(int cw) { asm volatile("bar.sync %0, 128;\n" ::"r"(cw + 1) : "memory"); }
 
-// The tile's z (this warpgroup's 64 rows) as fp16 kept logits, half a tile at a time through the
+// The tile (this warpgroup's 64 rows), packed to 2-byte values, half a tile at a time through the
 // staging buffer. One thread issues the TMA stores, which clip at the tensor's edge (rows past the
-// pass, columns past v). A tile that ends inside the next chunk's columns (chunk % kBN != 0), or
-// kept logits that TMA cannot address (v % 8 != 0), go out by plain bounded stores instead.
-__device__ __forceinline__ void store_kept(const float* d, int64_t t0, int64_t col_end, const Params& P,
-                                           const CUtensorMap* tmK, uint32_t buf, int cw, int64_t row0) {
+// pass, columns past P.cols). A tile that ends inside the next chunk's columns (chunk % kBN != 0),
+// or an output that TMA cannot address (unaligned), goes out by plain bounded stores instead.
+template <class Pack>
+__device__ __forceinline__ void store_tile(const float* d, Pack pack, int64_t t0, int64_t col_end, const Params& P,
+                                           const CUtensorMap* tmO, uint32_t buf, int cw, int64_t row0) {
   const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
-  const bool tma = P.kept_tma && (t0 + kBN <= col_end || col_end == P.ldk);
+  const bool tma = P.out_tma && (t0 + kBN <= col_end || col_end == P.cols);
   const int lim = int(min(col_end - t0, int64_t(kBN)));  // columns of this tile to write
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
@@ -192,9 +222,8 @@ __device__ __forceinline__ void store_kept(const float* d, int64_t t0, int64_t c
 #pragma unroll
     for (int jj = 0; jj < 16; jj += 2) {
       const int j = 16 * half + jj;
-      stmatrix_x4(staging_addr(buf, srow, 8 * (jj + k / 2)), kept_pair(d[4 * j], d[4 * j + 1]),
-                  kept_pair(d[4 * j + 2], d[4 * j + 3]), kept_pair(d[4 * j + 4], d[4 * j + 5]),
-                  kept_pair(d[4 * j + 6], d[4 * j + 7]));
+      stmatrix_x4(staging_addr(buf, srow, 8 * (jj + k / 2)), pack(d[4 * j], d[4 * j + 1]),
+                  pack(d[4 * j + 2], d[4 * j + 3]), pack(d[4 * j + 4], d[4 * j + 5]), pack(d[4 * j + 6], d[4 * j + 7]));
     }
     const int64_t c0 = t0 + half * kHalfCols;
     if (tma) {
@@ -202,7 +231,7 @@ __device__ __forceinline__ void store_kept(const float* d, int64_t t0, int64_t c
       warpgroup_sync(cw);
       if (tid == 0) {
         for (int b = 0; b < 2; ++b)
-          if (c0 + b * kBoxCols < P.ldk) tma_store_2d(tmK, buf + b * kBoxBytes, int32_t(c0 + b * kBoxCols), int32_t(row0));
+          if (c0 + b * kBoxCols < P.cols) tma_store_2d(tmO, buf + b * kBoxBytes, int32_t(c0 + b * kBoxCols), int32_t(row0));
         tma_store_commit();
       }
     } else {
@@ -212,8 +241,8 @@ __device__ __forceinline__ void store_kept(const float* d, int64_t t0, int64_t c
         const int r = i / (kHalfCols / 8), c = (i % (kHalfCols / 8)) * 8;
         if (row0 + r >= P.rows) continue;
         const uint4 w = *reinterpret_cast<const uint4*>(sbuf + (staging_addr(buf, r, c) - buf));
-        const __half* hw = reinterpret_cast<const __half*>(&w);
-        __half* out = P.kept + (row0 + r) * P.ldk + c0;
+        const uint16_t* hw = reinterpret_cast<const uint16_t*>(&w);
+        uint16_t* out = P.out + (row0 + r) * P.ldo + c0;
         for (int e = 0; e < 8; ++e)
           if (half * kHalfCols + c + e < lim) out[c + e] = hw[e];
       }
@@ -221,12 +250,14 @@ __device__ __forceinline__ void store_kept(const float* d, int64_t t0, int64_t c
   }
 }
 
-template <bool kBf16, bool kMask, bool kKeep>
-__device__ __forceinline__ void epilogue_stats(float* d, int64_t t0, int64_t col_end, const Params& P, float itA,
-                                               float itB, const CUtensorMap* tmK, uint32_t buf, int cw,
-                                               int64_t row0, float (&run)[2][3]) {
+// ---- epilogue: scale one 64x256 accumulator tile to z * log2e in place ----------------------------
+// Bias and 1/T (itA, itB: rows A and B, times log2e); padding columns (past the chunk's end or the
+// real vocab) become -inf. mx: the lane's maximum of each row (in the same pass: fewer live registers).
+template <bool kMask>
+__device__ __forceinline__ void scale_tile(float* d, int64_t t0, int64_t col_end, const Params& P, float itA,
+                                           float itB, float (&mx)[2]) {
   const int cq = 2 * (threadIdx.x % 4);
-  float mx[2] = {-INFINITY, -INFINITY};
+  mx[0] = mx[1] = -INFINITY;
 #pragma unroll
   for (int j = 0; j < 32; ++j) {
 #pragma unroll
@@ -241,7 +272,13 @@ __device__ __forceinline__ void epilogue_stats(float* d, int64_t t0, int64_t col
       mx[1] = fmaxf(mx[1], d[4 * j + 2 + e]);
     }
   }
-  if constexpr (kKeep) store_kept(d, t0, col_end, P, tmK, buf, cw, row0);
+}
+
+// ---- epilogue (kStats, kKeep): fold the scaled tile into the two rows' running statistics -------
+// A row's 256 values live in one quad of lanes (64 per lane): a thread-local pass plus two xor
+// shuffles. Exponentials use ex2 on the log2e-scaled logits; (m, s, a) are converted back to natural
+// units per tile and merged with stats_merge.
+__device__ __forceinline__ void fold_stats(const float* d, float (&mx)[2], float (&run)[2][3]) {
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
@@ -271,6 +308,76 @@ __device__ __forceinline__ void epilogue_stats(float* d, int64_t t0, int64_t col
   }
 }
 
+// ---- epilogue (kDlogit): the scaled tile to dlogit in place ---------------------------------------
+// What one row needs (include/rlk/linear_logp.h's dz_of, in log2 units where that saves a multiply):
+// p = ex2(z log2e - lse log2e), dz = g (delta_jt - p) + e p (lse - ent - z), dlogit = dz / T.
+// A row without a valid target has g = e = 0 and lse2 = +inf (p = 0): its dlogit is 0.
+struct RowGrad {
+  float lse2, g, e, c, it;  // c = lse - ent
+  int64_t target;           // global id
+};
+__device__ __forceinline__ RowGrad row_grad(const Params& P, const GradRows& G, int64_t row) {
+  RowGrad r{INFINITY, 0.f, 0.f, 0.f, 1.f, -1};
+  if (row >= P.rows) return r;
+  r.it = reciprocal(P.temperature[row]);
+  r.target = G.targets[row];
+  if (classify_target(r.target, P.real_vocab, G.ignore_index) != TargetKind::kValid) return r;
+  const float lse = G.lse[row];
+  r.lse2 = lse * kLog2e;
+  r.g = G.g[row];
+  if (G.e) { r.e = G.e[row]; r.c = lse - G.ent[row]; }
+  return r;
+}
+// Row r (0: A, 1: B) of the lane's tile values to dlogit in place; dzz accumulates sum_j dz_j z_j of
+// the lane's columns (for dT). One row at a time: fewer live registers.
+__device__ __forceinline__ void dlogit_row(float* d, int r, int64_t t0, const Params& P, const RowGrad& g,
+                                           float& dzz) {
+  const int64_t rel = g.target - (P.vocab_start + t0 + 2 * (threadIdx.x % 4));
+  const int tcol = rel >= 0 && rel < kBN ? int(rel) : -1;  // the target in this lane's numbering 8j + e, or -1
+#pragma unroll
+  for (int j = 0; j < 32; ++j) {
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int q = 4 * j + 2 * r + e;
+      const float zl = d[q];
+      const float p = ex2(zl - g.lse2), z = zl * kLn2;
+      float dz = fmaf(g.e * p, g.c - z, g.g * ((8 * j + e == tcol ? 1.f : 0.f) - p));
+      dz = zl > -INFINITY ? dz : 0.f;  // padding (and a -inf bias) gets no gradient
+      dzz = fmaf(dz, zl > -INFINITY ? z : 0.f, dzz);
+      d[q] = dz * g.it;
+    }
+  }
+}
+
+// ---- epilogue: one tile, by kind ------------------------------------------------------------------
+// What a consumer thread carries across the tiles of its unit for its two rows (A, B).
+template <Epi kEpi> struct RowState {  // kStats, kKeep: the running (m, s, a)
+  float run[2][3] = {{-INFINITY, 0.f, 0.f}, {-INFINITY, 0.f, 0.f}};
+  __device__ RowState(const Params&, const NoGradRows&, int64_t, int64_t) {}
+};
+template <> struct RowState<Epi::kDlogit> {  // sum dz z; the rows' gradient inputs are re-read per
+  float dzz[2] = {0.f, 0.f};                  // tile (L1 hits): kept in registers across the
+  const GradRows* G;                          // mainloop, they made ptxas spill
+  int64_t rowA, rowB;
+  __device__ RowState(const Params&, const GradRows& g, int64_t a, int64_t b) : G(&g), rowA(a), rowB(b) {}
+};
+
+template <bool kBf16, Epi kEpi, bool kMask>
+__device__ __forceinline__ void epilogue(float* d, int64_t t0, int64_t col_end, const Params& P, float itA, float itB,
+                                         const CUtensorMap* tmO, uint32_t buf, int cw, int64_t row0,
+                                         RowState<kEpi>& st) {
+  float mx[2];
+  scale_tile<kMask>(d, t0, col_end, P, itA, itB, mx);
+  if constexpr (kEpi == Epi::kDlogit) {
+    dlogit_row(d, 0, t0, P, row_grad(P, *st.G, st.rowA), st.dzz[0]);
+    dlogit_row(d, 1, t0, P, row_grad(P, *st.G, st.rowB), st.dzz[1]);
+    store_tile(d, PackDtype<kBf16>{}, t0, col_end, P, tmO, buf, cw, row0);
+  } else {
+    if constexpr (kEpi == Epi::kKeep) store_tile(d, PackKept{}, t0, col_end, P, tmO, buf, cw, row0);
+    fold_stats(d, mx, st.run);
+  }
+}
+
 // One unit of work: a (row tile, split) pair; a split walks up to kSplitCols/kBN column tiles.
 struct Unit {
   int64_t rt, cu, r0, col0, col_end;
@@ -297,10 +404,10 @@ __device__ __forceinline__ Unit unit_of(int64_t L, const Params& P) {
 }
 
 // One CTA per unit (blockIdx.x = unit number).
-template <bool kBf16, bool kKeep>
+template <bool kBf16, Epi kEpi>
 __global__ void __launch_bounds__(kThreads, 1)
     sm90_forward_kernel(const __grid_constant__ CUtensorMap tmA, const __grid_constant__ CUtensorMap tmB,
-                        const __grid_constant__ CUtensorMap tmK, const Params P) {
+                        const __grid_constant__ CUtensorMap tmO, const Params P, const GradArg<kEpi> G) {
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   unsigned char* smem = reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   const uint32_t sbase = smem_u32(smem);
@@ -351,7 +458,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     const uint32_t buf = staging + cw * 2 * kBoxBytes;
     const float itA = (rowA < P.rows ? reciprocal(P.temperature[rowA]) : 1.f) * kLog2e;
     const float itB = (rowB < P.rows ? reciprocal(P.temperature[rowB]) : 1.f) * kLog2e;
-    float run[2][3] = {{-INFINITY, 0.f, 0.f}, {-INFINITY, 0.f, 0.f}};
+    RowState<kEpi> st(P, G, rowA, rowB);
     for (int t = 0; t < u.ntiles; ++t) {
       for (int kb = 0; kb < KB; ++kb) {
         mbar_wait(bar_full + 8 * stage, phase);
@@ -371,21 +478,33 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
       wgmma_wait<0>();
       if (lane == 0) mbar_arrive(bar_empty + 8 * prev);
+      // ---- epilogue ----
       const int64_t t0 = u.col0 + int64_t(t) * kBN;
       if (t0 + kBN <= u.col_end && P.vocab_start + t0 + kBN <= P.real_vocab)
-        epilogue_stats<kBf16, false, kKeep>(d, t0, u.col_end, P, itA, itB, &tmK, buf, cw, row0, run);
+        epilogue<kBf16, kEpi, false>(d, t0, u.col_end, P, itA, itB, &tmO, buf, cw, row0, st);
       else
-        epilogue_stats<kBf16, true, kKeep>(d, t0, u.col_end, P, itA, itB, &tmK, buf, cw, row0, run);
+        epilogue<kBf16, kEpi, true>(d, t0, u.col_end, P, itA, itB, &tmO, buf, cw, row0, st);
     }
-    if (kKeep && threadIdx.x % 128 == 0) tma_store_wait_all();  // staging stays live until read
-    if ((lane & 3) == 0) {
+    if (kEpi != Epi::kStats && threadIdx.x % 128 == 0) tma_store_wait_all();  // staging stays live until read
+    if constexpr (kEpi == Epi::kDlogit) {
+      if (P.part == nullptr) return;
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {  // the quad's four column sets, in a fixed butterfly
+        st.dzz[r] += __shfl_xor_sync(0xffffffffu, st.dzz[r], 1);
+        st.dzz[r] += __shfl_xor_sync(0xffffffffu, st.dzz[r], 2);
+      }
+      if ((lane & 3) == 0) {
+        if (rowA < P.rows) P.part[rowA * P.nsplit + u.cu] = st.dzz[0];
+        if (rowB < P.rows) P.part[rowB * P.nsplit + u.cu] = st.dzz[1];
+      }
+    } else if ((lane & 3) == 0) {
       if (rowA < P.rows) {
         float* o = P.part + (rowA * P.nsplit + u.cu) * kStatWidth;
-        o[0] = run[0][0]; o[1] = run[0][1]; o[2] = run[0][2];
+        o[0] = st.run[0][0]; o[1] = st.run[0][1]; o[2] = st.run[0][2];
       }
       if (rowB < P.rows) {
         float* o = P.part + (rowB * P.nsplit + u.cu) * kStatWidth;
-        o[0] = run[1][0]; o[1] = run[1][1]; o[2] = run[1][2];
+        o[0] = st.run[1][0]; o[1] = st.run[1][1]; o[2] = st.run[1][2];
       }
     }
   }
@@ -424,40 +543,69 @@ bool make_map(CUtensorMap* m, CUtensorMapDataType type, const void* ptr, int64_t
                   CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
-template <bool kKeep>
-const char* launch(bool bf16, const CUtensorMap& ma, const CUtensorMap& mb, const CUtensorMap& mk, const Params& P,
-                   int64_t units, cudaStream_t stream) {
-  const auto kern = bf16 ? sm90_forward_kernel<true, kKeep> : sm90_forward_kernel<false, kKeep>;
+template <Epi kEpi>
+const char* launch(bool bf16, const CUtensorMap& ma, const CUtensorMap& mb, const CUtensorMap& mo, const Params& P,
+                   const GradArg<kEpi>& G, int64_t units, cudaStream_t stream) {
+  const auto kern = bf16 ? sm90_forward_kernel<true, kEpi> : sm90_forward_kernel<false, kEpi>;
   // Set on every call (host-only, legal under stream capture): the attribute is per device.
   if (cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes) != cudaSuccess)
     return "rlk cuda: cudaFuncSetAttribute failed (sm90)";
-  if (units > 0) kern<<<unsigned(units), kThreads, kSmemBytes, stream>>>(ma, mb, mk, P);
+  if (units > 0) kern<<<unsigned(units), kThreads, kSmemBytes, stream>>>(ma, mb, mo, P, G);
   if (cudaGetLastError() != cudaSuccess) return "rlk cuda: sm90 kernel launch failed";
   return nullptr;
+}
+
+CUtensorMapDataType map_type(const Problem& p) {
+  return p.dtype == DType::kBF16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
+}
+
+// The operand maps and the shape part of Params: rows [0, rows) of hidden against p.v rows of weight.
+const char* setup(const Problem& p, const void* hidden, int64_t rows, const void* weight, const float* bias,
+                  const float* temperature, CUtensorMap* ma, CUtensorMap* mb, Params* P) {
+  if ((reinterpret_cast<uintptr_t>(hidden) | reinterpret_cast<uintptr_t>(weight)) & 15) return kSm90Misaligned;
+  if (const char* e = ensure_encode()) return e;
+  if (!make_map(ma, map_type(p), hidden, p.h, rows, p.h, kBK, kBM) || !make_map(mb, map_type(p), weight, p.h, p.v, p.h, kBK, kBN))
+    return "rlk cuda: tensor map encoding failed";
+  *P = Params{};
+  P->rows = rows; P->chunk = p.chunk; P->spc = splits_per_chunk(p.chunk); P->nsplit = total_splits(p);
+  P->vocab_start = p.vocab_start; P->real_vocab = p.real_vocab; P->row_tiles = (rows + kBM - 1) / kBM;
+  P->kblocks = int32_t(p.h / kBK); P->bias = p.has_bias ? bias : nullptr; P->temperature = temperature;
+  return nullptr;
+}
+
+// The 2-byte tile output [rows, cols] with row stride ld: by TMA when its base and row stride are
+// 16-byte aligned and every tile starts on a 16-byte boundary (chunk-relative tile starts: chunk %
+// 8 == 0), else by plain stores.
+void set_out(Params* P, CUtensorMap* mo, CUtensorMapDataType type, void* out, int64_t cols, int64_t ld, int64_t chunk) {
+  P->out = static_cast<uint16_t*>(out); P->ldo = ld; P->cols = cols;
+  P->out_tma = chunk % 8 == 0 && ld % 8 == 0 && (reinterpret_cast<uintptr_t>(out) & 15) == 0 &&
+               make_map(mo, type, out, cols, P->rows, ld, kBoxCols, 64);
 }
 }  // namespace
 
 const char* sm90_forward_partials(const Problem& p, const void* hidden, int64_t rows, const void* weight,
                                   const float* bias, const float* temperature, float* part, void* kept,
                                   cudaStream_t stream) {
-  if ((reinterpret_cast<uintptr_t>(hidden) | reinterpret_cast<uintptr_t>(weight)) & 15) return kSm90Misaligned;
-  if (const char* e = ensure_encode()) return e;
-  const bool bf16 = p.dtype == DType::kBF16;
-  const CUtensorMapDataType type = bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
-  CUtensorMap ma, mb, mk{};
-  if (!make_map(&ma, type, hidden, p.h, rows, p.h, kBK, kBM) || !make_map(&mb, type, weight, p.h, p.v, p.h, kBK, kBN))
-    return "rlk cuda: tensor map encoding failed";
-  // TMA stores need 16-byte aligned starts: the base, and tile columns, which are chunk-relative
-  // (chunk % 8 == 0 also makes v % 8 == 0). Otherwise the kept logits go out by plain stores.
-  const bool kept_tma = kept && p.chunk % 8 == 0 && (reinterpret_cast<uintptr_t>(kept) & 15) == 0 &&
-                        make_map(&mk, CU_TENSOR_MAP_DATA_TYPE_FLOAT16, kept, p.v, rows, p.v, kBoxCols, 64);
-  Params P{};
-  P.rows = rows; P.chunk = p.chunk; P.spc = splits_per_chunk(p.chunk); P.nsplit = total_splits(p);
-  P.vocab_start = p.vocab_start; P.real_vocab = p.real_vocab; P.row_tiles = (rows + kBM - 1) / kBM;
-  P.kblocks = int32_t(p.h / kBK); P.bias = p.has_bias ? bias : nullptr; P.temperature = temperature; P.part = part;
-  P.kept = static_cast<__half*>(kept); P.ldk = p.v; P.kept_tma = kept_tma;
+  CUtensorMap ma, mb, mo{};
+  Params P;
+  if (const char* e = setup(p, hidden, rows, weight, bias, temperature, &ma, &mb, &P)) return e;
+  P.part = part;
   const int64_t units = P.row_tiles * P.nsplit;
-  return kept ? launch<true>(bf16, ma, mb, mk, P, units, stream) : launch<false>(bf16, ma, mb, mk, P, units, stream);
+  if (!kept) return launch<Epi::kStats>(p.dtype == DType::kBF16, ma, mb, mo, P, {}, units, stream);
+  set_out(&P, &mo, CU_TENSOR_MAP_DATA_TYPE_FLOAT16, kept, p.v, p.v, p.chunk);
+  return launch<Epi::kKeep>(p.dtype == DType::kBF16, ma, mb, mo, P, {}, units, stream);
+}
+
+const char* sm90_dlogit(const Problem& p, const BwdArgs& a, int64_t rows, void* dlog, int64_t ldd, float* dzz,
+                        cudaStream_t stream) {
+  CUtensorMap ma, mb, mo{};
+  Params P;
+  if (const char* e = setup(p, a.hidden, rows, a.weight, a.bias, a.temperature, &ma, &mb, &P)) return e;
+  P.part = dzz;
+  set_out(&P, &mo, map_type(p), dlog, p.v, ldd, p.chunk);
+  GradRows G{a.targets, a.lse, nullptr, a.g, nullptr, p.ignore_index};
+  if (p.with_entropy && a.e) { G.ent = a.entropy; G.e = a.e; }
+  return launch<Epi::kDlogit>(p.dtype == DType::kBF16, ma, mb, mo, P, G, P.row_tiles * P.nsplit, stream);
 }
 
 }  // namespace rlk::cuda::detail

@@ -52,6 +52,13 @@ extern const char* const kSm90Misaligned;  // returned when TMA cannot take the 
 const char* sm90_forward_partials(const Problem& p, const void* hidden, int64_t rows, const void* weight,
                                   const float* bias, const float* temperature, float* part, void* kept,
                                   cudaStream_t stream);
+// The lean backward's recompute on the same kernel: for rows [0, rows) of a.hidden (already offset,
+// as are the per-row pointers of a) against the p.v rows of a.weight (the piece; p.vocab_start is
+// its first global id, p.chunk == p.v), dlogit = dz / T in p.dtype into dlog [rows, p.v] (row
+// stride ldd), and, when dzz is not null, sum_j dz_j z_j per (row, split) into dzz [rows,
+// total_splits(p)].
+const char* sm90_dlogit(const Problem& p, const BwdArgs& a, int64_t rows, void* dlog, int64_t ldd, float* dzz,
+                        cudaStream_t stream);
 constexpr int64_t kSm90HMultiple = 64;  // h must be a multiple of this (one K tile)
 #endif
 
