@@ -224,7 +224,7 @@ LeanLayout lean_layout(const Problem& p, bool fused, size_t tile_bytes) {
   L.fused = fused;
   L.P = lean_piece(p);
   const size_t eb = dtype_bytes(p.dtype);
-  const int64_t splits = (L.P + detail::kSplitCols - 1) / detail::kSplitCols;
+  const int64_t splits = (L.P + detail::kDlogitSplitCols - 1) / detail::kDlogitSplitCols;
   const size_t per_row = fused ? size_t(L.P) * eb + size_t(splits) * 4 : size_t(L.P) * (4 + eb);
   int64_t rmax = int64_t(tile_bytes / per_row) / 128 * 128;
   if (rmax < 128) rmax = 128;
@@ -276,7 +276,7 @@ Status lean_tile(const Problem& p, const BwdArgs& a, const LeanLayout& L, unsign
     float* dzz = a.dtemp ? reinterpret_cast<float*>(base + L.off_dzz) : nullptr;
     if (Status s = detail::sm90_dlogit(q, b, rn, dlog, L.P, dzz, st)) return s;
     if (dzz) {
-      dzz_rows_kernel<<<blocks_of(rn, 256), 256, 0, st>>>(dzz, rn, detail::total_splits(q), a.temperature + r0,
+      dzz_rows_kernel<<<blocks_of(rn, 256), 256, 0, st>>>(dzz, rn, (pw + detail::kDlogitSplitCols - 1) / detail::kDlogitSplitCols, a.temperature + r0,
                                                           a.dtemp + r0, !first_piece, last_piece);
       RLK_CHECK_LAUNCH("rlk cuda: dT kernel launch failed");
     }

@@ -66,7 +66,7 @@ constexpr int kSmemBytes = kStages * kStageBytes + kStagingBytes + 1024 /*alignm
 static_assert(kSmemBytes <= 232448, "sm_90 dynamic shared memory per block");
 constexpr int kThreads = 384;  // producer warpgroup + 2 consumer warpgroups
 constexpr int64_t kGroupRows = 16;
-static_assert(kSplitCols % kBN == 0, "a split is a whole number of column tiles");
+static_assert(kSplitCols % kBN == 0 && kDlogitSplitCols % kBN == 0, "a split is a whole number of column tiles");
 static_assert(kSm90HMultiple % kBK == 0, "h multiple covers the K tile");
 
 constexpr float kLog2e = 1.4426950408889634f;
@@ -139,6 +139,7 @@ struct Params {
   int64_t row_tiles;
   int32_t kblocks;    // K tiles: h / kBK
   int64_t chunk, spc, nsplit;  // the split walk (lp_internal.h)
+  int64_t split_cols;          // kSplitCols (forward) or kDlogitSplitCols
   int64_t vocab_start, real_vocab;
   const float* bias;  // f32, of local column 0, or null
   const float* temperature;
@@ -203,49 +204,48 @@ __device__ __forceinline__ void fence_async_smem() { asm volatile("fence.proxy.a
 // Named barrier of one consumer warpgroup (ids 1, 2; id 0 is __syncthreads).
 __device__ __forceinline__ void warpgroup_sync(int cw) { asm volatile("bar.sync %0, 128;\n" ::"r"(cw + 1) : "memory"); }
 
-// The tile (this warpgroup's 64 rows), packed to 2-byte values, half a tile at a time through the
-// staging buffer. One thread issues the TMA stores, which clip at the tensor's edge (rows past the
-// pass, columns past P.cols). A tile that ends inside the next chunk's columns (chunk % kBN != 0),
-// or an output that TMA cannot address (unaligned), goes out by plain bounded stores instead.
+// Half `half` (columns 128 half .. +127) of the tile (this warpgroup's 64 rows), packed to 2-byte
+// values, through the staging buffer. One thread issues the TMA stores, which clip at the tensor's
+// edge (rows past the pass, columns past P.cols). A tile that ends inside the next chunk's columns
+// (chunk % kBN != 0), or an output that TMA cannot address (unaligned), goes out by plain bounded
+// stores instead. The staging buffer holds one half: before it is rewritten, the TMA must have read
+// the previous half, so the epilogues put other work between the two halves.
 template <class Pack>
-__device__ __forceinline__ void store_tile(const float* d, Pack pack, int64_t t0, int64_t col_end, const Params& P,
-                                           const CUtensorMap* tmO, uint32_t buf, int cw, int64_t row0) {
+__device__ __forceinline__ void store_half(const float* d, Pack pack, int half, int64_t t0, int64_t col_end,
+                                           const Params& P, const CUtensorMap* tmO, uint32_t buf, int cw, int64_t row0) {
   const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
   const bool tma = P.out_tma && (t0 + kBN <= col_end || col_end == P.cols);
-  const int lim = int(min(col_end - t0, int64_t(kBN)));  // columns of this tile to write
+  if (tid == 0) tma_store_wait_read();
+  warpgroup_sync(cw);
+  // stmatrix: matrix k = lane / 8 of column groups (j, j + 1) x row halves; lane gives row lane % 8
+  const int k = lane / 8, srow = warp * 16 + (k % 2) * 8 + lane % 8;
 #pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    if (tid == 0) tma_store_wait_read();
+  for (int jj = 0; jj < 16; jj += 2) {
+    const int j = 16 * half + jj;
+    stmatrix_x4(staging_addr(buf, srow, 8 * (jj + k / 2)), pack(d[4 * j], d[4 * j + 1]),
+                pack(d[4 * j + 2], d[4 * j + 3]), pack(d[4 * j + 4], d[4 * j + 5]), pack(d[4 * j + 6], d[4 * j + 7]));
+  }
+  const int64_t c0 = t0 + half * kHalfCols;
+  if (tma) {
+    fence_async_smem();
     warpgroup_sync(cw);
-    // stmatrix: matrix k = lane / 8 of column groups (j, j + 1) x row halves; lane gives row lane % 8
-    const int k = lane / 8, srow = warp * 16 + (k % 2) * 8 + lane % 8;
-#pragma unroll
-    for (int jj = 0; jj < 16; jj += 2) {
-      const int j = 16 * half + jj;
-      stmatrix_x4(staging_addr(buf, srow, 8 * (jj + k / 2)), pack(d[4 * j], d[4 * j + 1]),
-                  pack(d[4 * j + 2], d[4 * j + 3]), pack(d[4 * j + 4], d[4 * j + 5]), pack(d[4 * j + 6], d[4 * j + 7]));
+    if (tid == 0) {
+      for (int b = 0; b < 2; ++b)
+        if (c0 + b * kBoxCols < P.cols) tma_store_2d(tmO, buf + b * kBoxBytes, int32_t(c0 + b * kBoxCols), int32_t(row0));
+      tma_store_commit();
     }
-    const int64_t c0 = t0 + half * kHalfCols;
-    if (tma) {
-      fence_async_smem();
-      warpgroup_sync(cw);
-      if (tid == 0) {
-        for (int b = 0; b < 2; ++b)
-          if (c0 + b * kBoxCols < P.cols) tma_store_2d(tmO, buf + b * kBoxBytes, int32_t(c0 + b * kBoxCols), int32_t(row0));
-        tma_store_commit();
-      }
-    } else {
-      warpgroup_sync(cw);
-      const unsigned char* sbuf = static_cast<const unsigned char*>(__cvta_shared_to_generic(buf));
-      for (int i = tid; i < 64 * kHalfCols / 8; i += 128) {
-        const int r = i / (kHalfCols / 8), c = (i % (kHalfCols / 8)) * 8;
-        if (row0 + r >= P.rows) continue;
-        const uint4 w = *reinterpret_cast<const uint4*>(sbuf + (staging_addr(buf, r, c) - buf));
-        const uint16_t* hw = reinterpret_cast<const uint16_t*>(&w);
-        uint16_t* out = P.out + (row0 + r) * P.ldo + c0;
-        for (int e = 0; e < 8; ++e)
-          if (half * kHalfCols + c + e < lim) out[c + e] = hw[e];
-      }
+  } else {
+    warpgroup_sync(cw);
+    const int lim = int(min(col_end - t0, int64_t(kBN)));  // columns of this tile to write
+    const unsigned char* sbuf = static_cast<const unsigned char*>(__cvta_shared_to_generic(buf));
+    for (int i = tid; i < 64 * kHalfCols / 8; i += 128) {
+      const int r = i / (kHalfCols / 8), c = (i % (kHalfCols / 8)) * 8;
+      if (row0 + r >= P.rows) continue;
+      const uint4 w = *reinterpret_cast<const uint4*>(sbuf + (staging_addr(buf, r, c) - buf));
+      const uint16_t* hw = reinterpret_cast<const uint16_t*>(&w);
+      uint16_t* out = P.out + (row0 + r) * P.ldo + c0;
+      for (int e = 0; e < 8; ++e)
+        if (half * kHalfCols + c + e < lim) out[c + e] = hw[e];
     }
   }
 }
@@ -328,14 +328,15 @@ __device__ __forceinline__ RowGrad row_grad(const Params& P, const GradRows& G, 
   if (G.e) { r.e = G.e[row]; r.c = lse - G.ent[row]; }
   return r;
 }
-// Row r (0: A, 1: B) of the lane's tile values to dlogit in place; dzz accumulates sum_j dz_j z_j of
-// the lane's columns (for dT). One row at a time: fewer live registers.
-__device__ __forceinline__ void dlogit_row(float* d, int r, int64_t t0, const Params& P, const RowGrad& g,
+// Row r (0: A, 1: B) of the lane's values in half `half` of the tile to dlogit in place; dzz
+// accumulates sum_j dz_j z_j of the lane's columns (for dT), in column order.
+__device__ __forceinline__ void dlogit_row(float* d, int r, int half, int64_t t0, const Params& P, const RowGrad& g,
                                            float& dzz) {
   const int64_t rel = g.target - (P.vocab_start + t0 + 2 * (threadIdx.x % 4));
   const int tcol = rel >= 0 && rel < kBN ? int(rel) : -1;  // the target in this lane's numbering 8j + e, or -1
 #pragma unroll
-  for (int j = 0; j < 32; ++j) {
+  for (int jj = 0; jj < 16; ++jj) {
+    const int j = 16 * half + jj;
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
       const int q = 4 * j + 2 * r + e;
@@ -369,12 +370,18 @@ __device__ __forceinline__ void epilogue(float* d, int64_t t0, int64_t col_end, 
   float mx[2];
   scale_tile<kMask>(d, t0, col_end, P, itA, itB, mx);
   if constexpr (kEpi == Epi::kDlogit) {
-    dlogit_row(d, 0, t0, P, row_grad(P, *st.G, st.rowA), st.dzz[0]);
-    dlogit_row(d, 1, t0, P, row_grad(P, *st.G, st.rowB), st.dzz[1]);
-    store_tile(d, PackDtype<kBf16>{}, t0, col_end, P, tmO, buf, cw, row0);
+    // half 1's dlogit is computed while the TMA reads half 0 out of the staging buffer
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      dlogit_row(d, 0, half, t0, P, row_grad(P, *st.G, st.rowA), st.dzz[0]);
+      dlogit_row(d, 1, half, t0, P, row_grad(P, *st.G, st.rowB), st.dzz[1]);
+      store_half(d, PackDtype<kBf16>{}, half, t0, col_end, P, tmO, buf, cw, row0);
+    }
   } else {
-    if constexpr (kEpi == Epi::kKeep) store_tile(d, PackKept{}, t0, col_end, P, tmO, buf, cw, row0);
+    // the statistics are folded while the TMA reads half 0 out of the staging buffer
+    if constexpr (kEpi == Epi::kKeep) store_half(d, PackKept{}, 0, t0, col_end, P, tmO, buf, cw, row0);
     fold_stats(d, mx, st.run);
+    if constexpr (kEpi == Epi::kKeep) store_half(d, PackKept{}, 1, t0, col_end, P, tmO, buf, cw, row0);
   }
 }
 
@@ -397,8 +404,8 @@ __device__ __forceinline__ Unit unit_of(int64_t L, const Params& P) {
   u.cu = rem / gsize;
   u.r0 = u.rt * kBM;
   const int64_t c = u.cu / P.spc, sp = u.cu % P.spc;
-  u.col0 = c * P.chunk + sp * kSplitCols;
-  u.col_end = min(u.col0 + kSplitCols, (c + 1) * P.chunk);
+  u.col0 = c * P.chunk + sp * P.split_cols;
+  u.col_end = min(u.col0 + P.split_cols, (c + 1) * P.chunk);
   u.ntiles = int((u.col_end - u.col0 + kBN - 1) / kBN);
   return u;
 }
@@ -561,13 +568,14 @@ CUtensorMapDataType map_type(const Problem& p) {
 
 // The operand maps and the shape part of Params: rows [0, rows) of hidden against p.v rows of weight.
 const char* setup(const Problem& p, const void* hidden, int64_t rows, const void* weight, const float* bias,
-                  const float* temperature, CUtensorMap* ma, CUtensorMap* mb, Params* P) {
+                  const float* temperature, int64_t split_cols, CUtensorMap* ma, CUtensorMap* mb, Params* P) {
   if ((reinterpret_cast<uintptr_t>(hidden) | reinterpret_cast<uintptr_t>(weight)) & 15) return kSm90Misaligned;
   if (const char* e = ensure_encode()) return e;
   if (!make_map(ma, map_type(p), hidden, p.h, rows, p.h, kBK, kBM) || !make_map(mb, map_type(p), weight, p.h, p.v, p.h, kBK, kBN))
     return "rlk cuda: tensor map encoding failed";
   *P = Params{};
-  P->rows = rows; P->chunk = p.chunk; P->spc = splits_per_chunk(p.chunk); P->nsplit = total_splits(p);
+  P->rows = rows; P->chunk = p.chunk; P->split_cols = split_cols;
+  P->spc = (p.chunk + split_cols - 1) / split_cols; P->nsplit = num_chunks(p) * P->spc;
   P->vocab_start = p.vocab_start; P->real_vocab = p.real_vocab; P->row_tiles = (rows + kBM - 1) / kBM;
   P->kblocks = int32_t(p.h / kBK); P->bias = p.has_bias ? bias : nullptr; P->temperature = temperature;
   return nullptr;
@@ -588,7 +596,7 @@ const char* sm90_forward_partials(const Problem& p, const void* hidden, int64_t 
                                   cudaStream_t stream) {
   CUtensorMap ma, mb, mo{};
   Params P;
-  if (const char* e = setup(p, hidden, rows, weight, bias, temperature, &ma, &mb, &P)) return e;
+  if (const char* e = setup(p, hidden, rows, weight, bias, temperature, kSplitCols, &ma, &mb, &P)) return e;
   P.part = part;
   const int64_t units = P.row_tiles * P.nsplit;
   if (!kept) return launch<Epi::kStats>(p.dtype == DType::kBF16, ma, mb, mo, P, {}, units, stream);
@@ -600,7 +608,7 @@ const char* sm90_dlogit(const Problem& p, const BwdArgs& a, int64_t rows, void* 
                         cudaStream_t stream) {
   CUtensorMap ma, mb, mo{};
   Params P;
-  if (const char* e = setup(p, a.hidden, rows, a.weight, a.bias, a.temperature, &ma, &mb, &P)) return e;
+  if (const char* e = setup(p, a.hidden, rows, a.weight, a.bias, a.temperature, kDlogitSplitCols, &ma, &mb, &P)) return e;
   P.part = dzz;
   set_out(&P, &mo, map_type(p), dlog, p.v, ldd, p.chunk);
   GradRows G{a.targets, a.lse, nullptr, a.g, nullptr, p.ignore_index};

@@ -59,6 +59,12 @@ const char* sm90_forward_partials(const Problem& p, const void* hidden, int64_t 
 // total_splits(p)].
 const char* sm90_dlogit(const Problem& p, const BwdArgs& a, int64_t rows, void* dlog, int64_t ldd, float* dzz,
                         cudaStream_t stream);
+// sm90_dlogit's splits: shorter than the forward's, so that a piece's few row tiles still make
+// enough units to fill the last wave (only the order of the dT sum depends on it).
+#ifndef RLK_DLOGIT_SPLIT
+#define RLK_DLOGIT_SPLIT 512
+#endif
+constexpr int64_t kDlogitSplitCols = RLK_DLOGIT_SPLIT;
 constexpr int64_t kSm90HMultiple = 64;  // h must be a multiple of this (one K tile)
 #endif
 
