@@ -1,13 +1,17 @@
-// The CUDA backward, two strategies over the same three pieces:
-//   dlogit   one memory-bound pass over z: dlogit = dz * inv_temp (dtype), dT per row (one block
-//            per row, fixed reduction tree) and, with a bias, db by column sums in row order;
+// The CUDA backward, two strategies over the same pieces:
+//   dlogit   dlogit = dz * inv_temp (dtype), dT per row (fixed reduction order) and, with a bias,
+//            db by column sums in row order;
 //   dH = dlogit W (fp32 out) and dW = dlogit^T H (dtype out): cuBLAS GEMMs (blas.h says why).
-// fast  z comes from the forward's kept logits [n, v] (FwdArgs::logits); dlogit overwrites them in
-//       place (same element size: fp16 -> bf16/fp16, fp32 -> fp32). Work: the two gradient GEMMs
-//       plus ~3 bytes moved per logit; extra memory: the kept logits.
-// lean  z is recomputed per (vocab piece, row pass) by a cuBLAS GEMM into an fp32 scratch tile;
-//       dH accumulates over pieces in fp32 (piece order), dW over passes in an fp32 piece
-//       accumulator (pass order). Work: three GEMMs; workspace bounded (lean_layout) whatever n, v.
+// fast  z comes from the forward's kept logits [n, v] (FwdArgs::logits); one memory-bound pass
+//       (dlogit_kernel, one block per row) overwrites them with dlogit in place (same element
+//       size: fp16 -> bf16/fp16, fp32 -> fp32). Work: the two gradient GEMMs plus ~4 bytes moved
+//       per logit; extra memory: the kept logits.
+// lean  dlogit is formed per (vocab piece, row pass) in a workspace tile: on Hopper by the sm90
+//       kernel itself (it recomputes z and writes dlogit from its accumulators), elsewhere by a
+//       cuBLAS GEMM into an fp32 z tile and dlogit_kernel. dH accumulates over pieces in fp32
+//       (piece order), dW over passes in an fp32 piece accumulator (pass order; one pass, the
+//       common case, writes dW directly). Work: three GEMMs; workspace bounded (lean_layout)
+//       whatever n, v.
 // No atomics: every sum has one order fixed by the shapes, so repeated runs give the same bits.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -242,7 +246,14 @@ LeanLayout lean_layout(const Problem& p, bool fused, size_t tile_bytes) {
   return L;
 }
 
-LeanLayout lean_layout(const Problem& p) { return lean_layout(p, lean_fused(p), kLeanTileBytes); }
+// The gemm path in 128-row passes: what lean needs at the least (backward_lean falls back to it,
+// inside the fused layout's workspace, for operands that TMA cannot take).
+size_t lean_min_bytes(const Problem& p) { return lean_layout(p, false, 0).total + 1024; }
+
+size_t lean_workspace_bytes(const Problem& p) {
+  const size_t t = lean_layout(p, lean_fused(p), kLeanTileBytes).total, m = lean_min_bytes(p);
+  return t > m ? t : m;
+}
 
 // dtemp (+)= the row's sum over this piece's splits, in split order; the last piece makes it dT.
 __global__ void dzz_rows_kernel(const float* __restrict__ dzz, int64_t rows, int64_t splits,
@@ -304,14 +315,13 @@ Status lean_tile(const Problem& p, const BwdArgs& a, const LeanLayout& L, unsign
 
 template <typename T>
 Status backward_lean(const Problem& p, const BwdArgs& a, Workspace ws, cudaStream_t st) {
-  LeanLayout L = lean_layout(p);
+  LeanLayout L = lean_layout(p, lean_fused(p), kLeanTileBytes);
   if (L.fused && ((reinterpret_cast<uintptr_t>(a.hidden) | reinterpret_cast<uintptr_t>(a.weight)) & 15)) {
-    // TMA cannot take these operands: the gemm path, its tiles fitted into the fused layout's space
-    const size_t fixed = lean_layout(p, false, 0).total;  // 128-row tiles and the dW accumulator
+    // TMA cannot take these operands: the gemm path, its tiles fitted into the workspace (which
+    // holds at least lean_min_bytes: the 128-row tiles, the dW accumulator, cuBLAS's part)
     const size_t row128 = size_t(128) * lean_piece(p) * (4 + dtype_bytes(p.dtype));
-    const size_t tiles = ws.bytes > fixed + 1024 ? ws.bytes - fixed - 1024 + row128 : 0;
-    L = lean_layout(p, false, tiles);
-    if (L.total > ws.bytes) return "rlk cuda: lean backward workspace too small for unaligned operands";
+    L = lean_layout(p, false, ws.bytes - lean_min_bytes(p) + row128);
+    if (L.total > ws.bytes) return "rlk cuda: lean backward workspace too small";
   }
   void* cublas_ws = ws.ptr;
   unsigned char* base = reinterpret_cast<unsigned char*>(
@@ -367,7 +377,7 @@ Status backward_t(const Problem& p, const BwdArgs& a, Workspace ws, cudaStream_t
 
 size_t backward_workspace_bytes(const Problem& p, bool fast) {
   if (p.n <= 0 || p.v <= 0 || p.h <= 0) return 0;
-  return fast ? blas::kWorkspaceAlloc : lean_layout(p).total;
+  return fast ? blas::kWorkspaceAlloc : lean_workspace_bytes(p);
 }
 
 Status backward(const Problem& p, const BwdArgs& a, Workspace ws, cudaStream_t stream) {

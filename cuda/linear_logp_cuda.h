@@ -22,13 +22,15 @@ Backend forward_backend(const Problem& p);
 
 size_t forward_workspace_bytes(const Problem& p);
 // `fast`: the backward reads kept logits (BwdArgs::logits); else it recomputes them (lean, at
-// most 240 MB whatever n and v).
+// most 240 MB whatever n and v). The lean layout also depends on whether the sm90 kernel does the
+// recompute (forward_backend), which is fixed per device and process.
 size_t backward_workspace_bytes(const Problem& p, bool fast);
 
 // `ran` (may be null) receives the backend that ran.
 Status forward(const Problem& p, const FwdArgs& a, Workspace ws, cudaStream_t stream, Backend* ran);
 Status combine(const CombineArgs& a, cudaStream_t stream);
-// The backward runs on Backend::kCudaBlas (linear_logp_bwd.cu).
+// The backward is counted as Backend::kCudaBlas: its GEMMs are cuBLAS's; the lean recompute runs on
+// the sm90 kernel where forward_backend is kCudaSm90 (linear_logp_bwd.cu).
 Status backward(const Problem& p, const BwdArgs& a, Workspace ws, cudaStream_t stream);
 // Load cuBLAS and create device `device`'s handle now, outside any CUDA-graph capture (the
 // frontends call it before they first launch a backward).

@@ -180,6 +180,7 @@ static std::vector<Row> g_rows;
 struct Case {
   int64_t n, h, v; DType dt; bool bias, entropy; int64_t pad; bool bwd = true; int64_t sub0 = -1, sub1 = -1; bool tp = false; bool portable = false;
   bool fast = false;  // the fast backward (kept logits) instead of the lean one
+  bool misalign = false;  // hidden 2 bytes off 16-byte alignment: no TMA (portable forward, lean's gemm path)
 };
 
 static double relerr(const std::vector<double>& a, const std::vector<double>& r) {
@@ -199,8 +200,9 @@ static void run_case(const Case& c, uint64_t seed) {
   p.chunk = canonical_chunk(c.v); p.ignore_index = -100; p.dtype = c.dt;
   p.has_bias = c.bias; p.with_entropy = c.entropy;
   const size_t eb = dtype_bytes(c.dt);
-  DevBuf H(size_t(c.n) * c.h * eb), W(size_t(c.v) * c.h * eb), B(c.v * 4), T(c.n * 4), IT(c.n * 4), G(c.n * 4), E(c.n * 4);
-  dev_fill(c.dt, H.p, c.n * c.h, seed + 1, 1.f);
+  DevBuf Hbuf(size_t(c.n) * c.h * eb + 16), W(size_t(c.v) * c.h * eb), B(c.v * 4), T(c.n * 4), IT(c.n * 4), G(c.n * 4), E(c.n * 4);
+  void* const hid = static_cast<char*>(Hbuf.p) + (c.misalign ? 2 : 0);
+  dev_fill(c.dt, hid, c.n * c.h, seed + 1, 1.f);
   dev_fill(c.dt, W.p, c.v * c.h, seed + 2, 1.f / std::sqrt(double(c.h)));
   dev_fill(DType::kF32, B.p, c.v, seed + 3, 0.5f);
   // a frontend may mask columns through the (f32) bias: two -inf columns behave as padding
@@ -217,14 +219,14 @@ static void run_case(const Case& c, uint64_t seed) {
   if (c.bias) for (auto& t : tg) if (t == masked[0] || t == masked[1]) t = int32_t((t + 1) % p.real_vocab);
   CK(cudaMemcpy(T.p, tg.data(), c.n * 4, cudaMemcpyHostToDevice));
 
-  Inputs in{p, H.p, W.p, c.bias ? B.as<float>() : nullptr, T.as<int32_t>(), IT.as<float>(), G.as<float>(), E.as<float>()};
+  Inputs in{p, hid, W.p, c.bias ? B.as<float>() : nullptr, T.as<int32_t>(), IT.as<float>(), G.as<float>(), E.as<float>()};
   Outputs o = run_once(in, c.bwd, c.fast);
 
   // host copies of the rounded operands
   std::vector<float> hh(size_t(c.n) * c.h), ww(size_t(c.v) * c.h), bb(c.v, 0.f);
   {
     std::vector<uint8_t> raw(size_t(c.v) * c.h * eb);
-    CK(cudaMemcpy(raw.data(), H.p, size_t(c.n) * c.h * eb, cudaMemcpyDeviceToHost));
+    CK(cudaMemcpy(raw.data(), hid, size_t(c.n) * c.h * eb, cudaMemcpyDeviceToHost));
     for (size_t i = 0; i < hh.size(); ++i) hh[i] = h2f(c.dt, raw.data(), i);
     CK(cudaMemcpy(raw.data(), W.p, size_t(c.v) * c.h * eb, cudaMemcpyDeviceToHost));
     for (size_t i = 0; i < ww.size(); ++i) ww[i] = h2f(c.dt, raw.data(), i);
@@ -289,8 +291,8 @@ static void run_case(const Case& c, uint64_t seed) {
   });
   Row row;
   char nm[160];
-  snprintf(nm, sizeof nm, "%-4s n=%-5lld h=%-4lld v=%-6lld%s%s pad=%lld", dname(c.dt), (long long)c.n, (long long)c.h,
-           (long long)c.v, c.bias ? " bias" : "", c.entropy ? " ent" : "", (long long)c.pad);
+  snprintf(nm, sizeof nm, "%-4s n=%-5lld h=%-4lld v=%-6lld%s%s%s pad=%lld", dname(c.dt), (long long)c.n, (long long)c.h,
+           (long long)c.v, c.bias ? " bias" : "", c.entropy ? " ent" : "", c.misalign ? " unaligned" : "", (long long)c.pad);
   row.name = nm;
   row.be = std::string(backend_name_local(o.fwd_be)) + "/" + (c.bwd ? (c.fast ? "fast" : "lean") : "-");
   row.e_logp = relerr(d_logp, r_logp);
@@ -361,8 +363,8 @@ static void run_case(const Case& c, uint64_t seed) {
     bool b = same_bits(os.stats.data(), o.stats.data() + a0 * K * kStatWidth, m * K * kStatWidth) &&
              same_bits(os.logp.data(), o.logp.data() + a0, m) && same_bits(os.ent.data(), o.ent.data() + a0, m);
     row.batch = b;
-    // dH (a cuBLAS GEMM) and, in lean, dzz (from z recomputed by one) may change with n: the
-    // GEMM's algorithm is chosen per shape. Reported, not required.
+    // dH (a cuBLAS GEMM) and, in lean's gemm path, dzz (from z recomputed by one) may change with
+    // n: the GEMM's algorithm is chosen per shape. Reported, not required.
     row.batch_dh = !c.bwd || (same_bits(os.dh.data(), o.dh.data() + a0 * c.h, m * c.h) &&
                               same_bits(os.dzz.data(), o.dzz.data() + a0, m));
   }
@@ -480,6 +482,7 @@ int main(int argc, char** argv) {
     add({300, 128, 24576, DType::kF16, false, true, 7, true, -1, -1, true});
     add({300, 72, 1000, DType::kBF16, true, false, 3, true, -1, -1, false});
     add({3, 256, 1000, DType::kBF16, true, true, 0, true, -1, -1, false});  // odd chunk (125): odd tile starts
+    add({300, 64, vodd, DType::kBF16, true, true, 13, true, -1, -1, false, false, false, true});  // unaligned hidden
   }
   if (!tiny) {
   for (DType dt : {DType::kBF16, DType::kF16, DType::kF32}) {
@@ -492,6 +495,7 @@ int main(int argc, char** argv) {
   add({127, 2048, 151936, DType::kF16, true, true, 36, true, 5, 68, true});
   add({127, 64, vodd, DType::kBF16, true, true, 13, true, 5, 68, false, true});      // portable kernel forced
   add({127, 2048, 151936, DType::kF16, true, true, 36, true, 5, 68, true, true});
+  add({300, 64, vodd, DType::kBF16, true, true, 13, true, 5, 68, false, false, false, true});  // unaligned hidden
   if (!quick) {
     add({4097, 64, vodd, DType::kF32, true, true, 5, true, 4000, 4097, false});
     add({4097, 2048, 151936, DType::kBF16, true, true, 36, true, 100, 300, true});

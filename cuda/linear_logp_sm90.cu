@@ -1,4 +1,6 @@
-// The Hopper (sm_90a) forward of linear_logp for bf16/fp16: TMA + wgmma, warp-specialised.
+// The Hopper (sm_90a) kernel of linear_logp for bf16/fp16: TMA + wgmma, warp-specialised. It runs
+// the forward (statistics, optionally keeping the logits for the fast backward) and the lean
+// backward's recompute (dlogit tiles), which differ only in the epilogue (Epi).
 //
 // Compiled only with -gencode=arch=compute_90a,code=sm_90a and only when RLK_HAVE_SM90 is set.
 //
@@ -22,20 +24,26 @@
 //                       No branch may sit around the wgmma issue (e.g. skipping a warpgroup whose
 //                       rows lie past n): ptxas then serialises every wgmma (C7518), measured 15%
 //                       slower.
-//   * epilogue        - folds each 64x256 logit tile, straight from the accumulator registers,
-//                       into per-row running (m, s, a): a row's 256 values live in one quad of
-//                       lanes (64 per lane), so a tile costs a thread-local pass plus two xor
-//                       shuffles. Exponentials use ex2 on log2e-scaled logits; (m, s, a) are
-//                       converted back to natural units per tile and merged with stats_merge.
-//                       With kKeep it also stores the tile's z as fp16 (the fast backward's kept
-//                       logits) through the tile store below; otherwise logits never leave
-//                       registers.
-//   * tile store      - (kKeep) stmatrix puts half a tile (64x128 fp16) into a 128-byte-swizzled
+//   * epilogue        - scales each 64x256 logit tile in the accumulator registers (1/T, bias,
+//                       padding to -inf), then, by kind (Epi):
+//                       kStats  folds it into per-row running (m, s, a): a row's 256 values live
+//                               in one quad of lanes (64 per lane), so a tile costs a thread-local
+//                               pass plus two xor shuffles. Exponentials use ex2 on log2e-scaled
+//                               logits; (m, s, a) go back to natural units per tile and are merged
+//                               with stats_merge. Logits never leave registers.
+//                       kKeep   the same, and stores z as fp16 (the fast backward's kept logits)
+//                               through the tile store;
+//                       kDlogit turns z into dlogit = dz / T from the row's lse (and entropy and
+//                               upstream gradients) and stores it in the operand dtype through the
+//                               tile store; sum dz z per (row, split) for dT.
+//   * tile store      - stmatrix puts half a tile (64x128, 2-byte values) into a 128-byte-swizzled
 //                       staging buffer per consumer warpgroup, and one thread hands it to a TMA
-//                       store: the copy to global memory runs while the consumers go on with the
-//                       statistics and the next tile's MMAs.
+//                       store: the copy to global memory runs while the consumers go on. The
+//                       epilogue puts work between the halves (the statistics, or half 1's
+//                       dlogit), so the TMA has read half 0 before half 1 overwrites it.
 // Per-(row, split) partials go to the workspace; the finalize kernel of linear_logp_cuda.cu merges
-// them per chunk exactly as for the portable kernel. Every row goes through the same instruction
+// them per chunk exactly as for the portable kernel (kDlogit: the lean backward sums its dz z
+// partials per row in split order). Every row goes through the same instruction
 // sequence whatever its position in the tile, and the split geometry is relative to the chunk
 // start, so results are batch- and TP-invariant. Raw PTX, no CuTe: the build takes seconds.
 #if RLK_HAVE_SM90
@@ -57,7 +65,7 @@ namespace {
 
 constexpr int kBM = 128, kBN = 256, kBK = 64;
 constexpr int kABytes = kBM * kBK * 2, kBBytes = kBN * kBK * 2, kStageBytes = kABytes + kBBytes;
-// Shared memory: the stage ring, the tile store's staging (kKeep: 64 rows x 128 fp16 columns per
+// Shared memory: the stage ring, the tile store's staging (64 rows x 128 2-byte columns per
 // consumer warpgroup, as two 64x64 TMA boxes of 8 KB; half a tile, so that four stages still fit in
 // the 227 KB an sm_90 block may have) and the mbarriers.
 constexpr int kStages = 4;

@@ -29,7 +29,7 @@ echo "built $(date)"
 for step in "$@"; do
   case $step in
     test) timeout 150 $B/lptest 2>&1 | tee $OUT/test.log ;;
-    quick) timeout 60 $B/lptest --quick 2>&1 | tee $OUT/test.log ;;
+    quick) timeout 150 $B/lptest --quick 2>&1 | tee $OUT/test.log ;;
     san) timeout 200 compute-sanitizer --tool memcheck --print-limit 5 $B/lptest --tiny 2>&1 | tail -n 25 | tee $OUT/memcheck.log
          timeout 200 compute-sanitizer --tool racecheck --print-limit 5 $B/lptest --tiny 2>&1 | tail -n 25 | tee $OUT/racecheck.log ;;
     bench) timeout 150 $B/lptest --bench 2>&1 | tee $OUT/bench.log ;;
