@@ -255,6 +255,7 @@ size_t lean_workspace_bytes(const Problem& p) {
   return t > m ? t : m;
 }
 
+#if RLK_HAVE_SM90
 // dtemp (+)= the row's sum over this piece's splits, in split order; the last piece makes it dT.
 __global__ void dzz_rows_kernel(const float* __restrict__ dzz, int64_t rows, int64_t splits,
                                 const float* __restrict__ temperature, float* __restrict__ dtemp, bool add, bool last) {
@@ -265,6 +266,7 @@ __global__ void dzz_rows_kernel(const float* __restrict__ dzz, int64_t rows, int
   s += add ? dtemp[r] : 0.f;
   dtemp[r] = last ? -reciprocal(temperature[r]) * s : s;
 }
+#endif
 
 // The dlogit tile of rows [r0, r0 + rn) x piece columns [p0, p0 + pw) (and this tile's share of
 // dtemp, and of db).
@@ -287,10 +289,13 @@ Status lean_tile(const Problem& p, const BwdArgs& a, const LeanLayout& L, unsign
     float* dzz = a.dtemp ? reinterpret_cast<float*>(base + L.off_dzz) : nullptr;
     if (Status s = detail::sm90_dlogit(q, b, rn, dlog, L.P, dzz, st)) return s;
     if (dzz) {
-      dzz_rows_kernel<<<blocks_of(rn, 256), 256, 0, st>>>(dzz, rn, (pw + detail::kDlogitSplitCols - 1) / detail::kDlogitSplitCols, a.temperature + r0,
-                                                          a.dtemp + r0, !first_piece, last_piece);
+      const int64_t splits = (pw + detail::kDlogitSplitCols - 1) / detail::kDlogitSplitCols;
+      dzz_rows_kernel<<<blocks_of(rn, 256), 256, 0, st>>>(dzz, rn, splits, a.temperature + r0, a.dtemp + r0,
+                                                          !first_piece, last_piece);
       RLK_CHECK_LAUNCH("rlk cuda: dT kernel launch failed");
     }
+#else
+    return "rlk cuda: the fused lean path needs the sm90 build";  // lean_fused is never true then
 #endif
   } else {
     float* z = reinterpret_cast<float*>(base + L.off_z);

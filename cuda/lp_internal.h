@@ -25,6 +25,14 @@ inline Status check_shape(const Problem& p) {
 // order, by the finalize kernel. Both forward kernels (portable and sm90) use this geometry.
 constexpr int64_t kSplitCols = 1024;
 
+// The lean backward's recompute on the sm90 kernel (sm90_dlogit) splits its vocab pieces the same
+// way, in shorter splits, so that a piece's few row tiles still make enough units to fill the last
+// wave (only the order of the dT sum depends on it).
+#ifndef RLK_DLOGIT_SPLIT
+#define RLK_DLOGIT_SPLIT 512
+#endif
+constexpr int64_t kDlogitSplitCols = RLK_DLOGIT_SPLIT;
+
 inline int64_t splits_per_chunk(int64_t chunk) { return (chunk + kSplitCols - 1) / kSplitCols; }
 inline int64_t total_splits(const Problem& p) { return num_chunks(p) * splits_per_chunk(p.chunk); }
 
@@ -59,12 +67,6 @@ const char* sm90_forward_partials(const Problem& p, const void* hidden, int64_t 
 // total_splits(p)].
 const char* sm90_dlogit(const Problem& p, const BwdArgs& a, int64_t rows, void* dlog, int64_t ldd, float* dzz,
                         cudaStream_t stream);
-// sm90_dlogit's splits: shorter than the forward's, so that a piece's few row tiles still make
-// enough units to fill the last wave (only the order of the dT sum depends on it).
-#ifndef RLK_DLOGIT_SPLIT
-#define RLK_DLOGIT_SPLIT 512
-#endif
-constexpr int64_t kDlogitSplitCols = RLK_DLOGIT_SPLIT;
 constexpr int64_t kSm90HMultiple = 64;  // h must be a multiple of this (one K tile)
 #endif
 
