@@ -197,12 +197,8 @@ Status backward_fast(const Problem& p, const BwdArgs& a, Workspace ws, cudaStrea
 }
 
 // ---- lean ---------------------------------------------------------------------------------------
-// Per (vocab piece, row pass) the tile dlogit[pass rows, piece columns] is formed in the workspace,
-// then the two gradient GEMMs consume it. How the tile is formed:
-//   fused  (the sm90 forward kernel runs here: bf16/fp16, h % 64 == 0, Hopper) the forward kernel
-//          recomputes z and writes dlogit straight from its accumulators (Epi::kDlogit): logits
-//          never reach memory in fp32, and the tile costs what the forward costs;
-//   gemm   otherwise: a cuBLAS GEMM writes z in fp32, dlogit_kernel turns it into dlogit.
+// The dlogit tile of a (vocab piece, row pass) is "fused" (the sm90 kernel, Epi::kDlogit: wherever
+// forward_backend picks it) or made by the "gemm" path (cuBLAS z in fp32, then dlogit_kernel).
 constexpr size_t kLeanTileBytes = size_t(144) << 20;  // the tiles of one (piece, pass)
 
 struct LeanLayout {
@@ -228,7 +224,7 @@ LeanLayout lean_layout(const Problem& p, bool fused, size_t tile_bytes) {
   L.fused = fused;
   L.P = lean_piece(p);
   const size_t eb = dtype_bytes(p.dtype);
-  const int64_t splits = (L.P + detail::kDlogitSplitCols - 1) / detail::kDlogitSplitCols;
+  const int64_t splits = detail::splits_per_chunk(L.P, detail::kDlogitSplitCols);
   const size_t per_row = fused ? size_t(L.P) * eb + size_t(splits) * 4 : size_t(L.P) * (4 + eb);
   int64_t rmax = int64_t(tile_bytes / per_row) / 128 * 128;
   if (rmax < 128) rmax = 128;
@@ -289,9 +285,8 @@ Status lean_tile(const Problem& p, const BwdArgs& a, const LeanLayout& L, unsign
     float* dzz = a.dtemp ? reinterpret_cast<float*>(base + L.off_dzz) : nullptr;
     if (Status s = detail::sm90_dlogit(q, b, rn, dlog, L.P, dzz, st)) return s;
     if (dzz) {
-      const int64_t splits = (pw + detail::kDlogitSplitCols - 1) / detail::kDlogitSplitCols;
-      dzz_rows_kernel<<<blocks_of(rn, 256), 256, 0, st>>>(dzz, rn, splits, a.temperature + r0, a.dtemp + r0,
-                                                          !first_piece, last_piece);
+      dzz_rows_kernel<<<blocks_of(rn, 256), 256, 0, st>>>(dzz, rn, detail::splits_per_chunk(pw, detail::kDlogitSplitCols),
+                                                          a.temperature + r0, a.dtemp + r0, !first_piece, last_piece);
       RLK_CHECK_LAUNCH("rlk cuda: dT kernel launch failed");
     }
 #else

@@ -375,10 +375,11 @@ __device__ __forceinline__ void epilogue(float* d, int64_t t0, int64_t col_end, 
   float mx[2];
   scale_tile<kMask>(d, t0, col_end, P, itA, itB, mx);
   if constexpr (kEpi == Epi::kDlogit) {
-    // half 1's dlogit is computed while the TMA reads half 0 out of the staging buffer
+    // half 1's dlogit is computed while the TMA reads half 0 out of the staging buffer. The rows'
+    // gradient inputs are loaded per half (L1 hits): held across the first store, they made ptxas spill.
+    const int64_t rowA = row0 + (threadIdx.x % 128) / 32 * 16 + (threadIdx.x % 32) / 4;
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-      const int64_t rowA = row0 + (threadIdx.x % 128) / 32 * 16 + (threadIdx.x % 32) / 4;
       dlogit_row(d, 0, half, t0, P, row_grad(P, G, rowA), st.dzz[0]);
       dlogit_row(d, 1, half, t0, P, row_grad(P, G, rowA + 8), st.dzz[1]);
       store_half(d, PackDtype<kBf16>{}, half, t0, col_end, P, tmO, buf, cw, row0);
@@ -581,7 +582,7 @@ const char* setup(const Problem& p, const void* hidden, int64_t rows, const void
     return "rlk cuda: tensor map encoding failed";
   *P = Params{};
   P->rows = rows; P->chunk = p.chunk; P->split_cols = split_cols;
-  P->spc = (p.chunk + split_cols - 1) / split_cols; P->nsplit = num_chunks(p) * P->spc;
+  P->spc = splits_per_chunk(p.chunk, split_cols); P->nsplit = num_chunks(p) * P->spc;
   P->vocab_start = p.vocab_start; P->real_vocab = p.real_vocab; P->row_tiles = (rows + kBM - 1) / kBM;
   P->kblocks = int32_t(p.h / kBK); P->bias = p.has_bias ? bias : nullptr; P->temperature = temperature;
   return nullptr;

@@ -33,7 +33,9 @@ constexpr int64_t kSplitCols = 1024;
 #endif
 constexpr int64_t kDlogitSplitCols = RLK_DLOGIT_SPLIT;
 
-inline int64_t splits_per_chunk(int64_t chunk) { return (chunk + kSplitCols - 1) / kSplitCols; }
+inline int64_t splits_per_chunk(int64_t chunk, int64_t split_cols = kSplitCols) {
+  return (chunk + split_cols - 1) / split_cols;
+}
 inline int64_t total_splits(const Problem& p) { return num_chunks(p) * splits_per_chunk(p.chunk); }
 
 // Rows per forward launch: bounds the partial-statistics workspace (rows * splits * 3 floats).
