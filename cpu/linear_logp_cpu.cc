@@ -313,7 +313,7 @@ void dhidden_unit(const Problem& p, const BwdArgs& a, const float* ap, int64_t b
   for (int64_t i = 0; i < kBlock; ++i) {
     const int64_t r = blk * kBlock + i;
     if (r >= p.n) break;
-    std::copy(s.dh.begin() + i * p.h, s.dh.begin() + (i + 1) * p.h, a.dhidden + r * p.h);
+    from_f32(a.dhidden_dtype, s.dh.data() + i * p.h, p.h, a.dhidden, r * p.h);
     if (a.dtemp) a.dtemp[r] = -rb.inv_temp[i / kLanes][i % kLanes] * dzz[i / kLanes][i % kLanes];
   }
 }
@@ -403,6 +403,8 @@ Status combine(const CombineArgs& a) {
 
 Status backward(const Problem& p, const BwdArgs& a) {
   if (p.chunk <= 0 || p.v % p.chunk != 0) return "rlk cpu backward: chunk must divide the local vocab";
+  if (a.dhidden_dtype != DType::kF32 && a.dhidden_dtype != p.dtype)
+    return "rlk cpu backward: dhidden is f32 or the operand dtype";
   if (p.n == 0) {  // no rows: dW and db are zero
     std::vector<float> zero(size_t(p.h), 0.f);
     for (int64_t j = 0; j < p.v; ++j) from_f32(p.dtype, zero.data(), p.h, a.dweight, j * p.h);

@@ -192,63 +192,127 @@ Status backward_fast(const Problem& p, const BwdArgs& a, Workspace ws, cudaStrea
     if (Status s = launch_colsum<T>(a.logits, p.v, p.n, p.v, a.dbias, false, st)) return s;
   const blas::Mat D{a.logits, p.dtype, p.n, p.v, p.v};
   const blas::Mat W{a.weight, p.dtype, p.v, p.h, p.h}, H{a.hidden, p.dtype, p.n, p.h, p.h};
-  if (Status s = blas::gemm(st, ws.ptr, D, false, W, false, a.dhidden, DType::kF32, p.h, 0.f)) return s;
+  if (Status s = blas::gemm(st, ws.ptr, D, false, W, false, a.dhidden, a.dhidden_dtype, p.h, 0.f)) return s;
   return blas::gemm(st, ws.ptr, D, true, H, false, a.dweight, p.dtype, p.h, 0.f);
 }
 
 // ---- lean ---------------------------------------------------------------------------------------
-// The dlogit tile of a (vocab piece, row pass) is "fused" (the sm90 kernel, Epi::kDlogit: wherever
+// Per (vocab piece, row pass): the dlogit tile, then dH[pass] (+)= dlogit W[piece] and
+// dW[piece] (+)= dlogit^T H[pass]. The tile is "fused" (the sm90 kernel, Epi::kDlogit: wherever
 // forward_backend picks it) or made by the "gemm" path (cuBLAS z in fp32, then dlogit_kernel).
-constexpr size_t kLeanTileBytes = size_t(144) << 20;  // the tiles of one (piece, pass)
+//
+// Memory: all that lean adds to the caller's buffers is its workspace, which lean_layout fits in
+// kLeanBudget: cuBLAS's part, the dH accumulator rows that dhidden cannot hold, the tiles (and the
+// fp32 dW piece accumulator when n takes more than one row pass).
+// - dH sums over the pieces in fp32: in dhidden itself when it is fp32; when it is 16-bit, its
+//   bytes hold the fp32 rows [0, n/2) and the workspace the rest, and finish_dhidden rounds them
+//   once at the end. No [n, h] fp32 buffer exists beyond half of one (128 MiB at L16k).
+// - The pieces are as wide as possible: each fp32 read-modify-write of the dH accumulator costs
+//   n * h * 8 bytes of traffic, and wider dW GEMMs run closer to peak. dW's rows past the current
+//   piece are not written yet, so a piece's tiles borrow them while they are large enough
+//   (lean_next_piece); the workspace tile takes the pieces that are left at the end.
+#ifndef RLK_LEAN_BUDGET_MIB
+#define RLK_LEAN_BUDGET_MIB 250  // 256 MiB, less room for the frontends' [n] vectors (A/B: other values)
+#endif
+constexpr size_t kLeanBudget = size_t(RLK_LEAN_BUDGET_MIB) << 20;
+constexpr size_t kLeanTileMax = size_t(144) << 20;  // larger workspace tiles gain little
+constexpr size_t kLeanTileMin = size_t(32) << 20;   // the floor where n * h takes the budget
+constexpr int64_t kLeanMinPiece = 1024;             // narrower workspace pieces: take more row passes
+constexpr int64_t kLeanMaxPiece = 16384;            // borrowed pieces, one pass (bounds dzz)
 
 struct LeanLayout {
   bool fused;
-  int64_t P, R;  // piece columns, rows per pass
-  size_t off_z, off_dlog, off_dzz, off_dwacc, total;  // from the 256-aligned tile base; total: all of it
+  int64_t P;      // the workspace tile's piece width
+  int64_t P_max;  // the widest piece (sizes dzz; with several passes, the dW accumulator)
+  int64_t R;      // rows per pass
+  int64_t dh_in;  // dH rows accumulated (fp32) inside dhidden; rows [dh_in, n) at off_dh
+  size_t off_dh, off_z, off_dlog, off_dzz, off_dwacc, total;  // from the 256-aligned tile base; total: all of it
 };
 
 bool lean_fused(const Problem& p) { return forward_backend(p) == Backend::kCudaSm90; }
 
-int64_t lean_piece(const Problem& p) {
-  int64_t P = ((int64_t(16) << 20) / p.h) / 256 * 256;  // the fp32 dW piece accumulator <= 64 MB
-  P = P < 256 ? 256 : (P > 8192 ? 8192 : P);
-  const int64_t v256 = (p.v + 255) / 256 * 256;
-  return P < v256 ? P : v256;
+size_t align256(size_t x) { return (x + 255) & ~size_t(255); }
+int64_t ceil_to(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+int64_t dlogit_splits(int64_t P) { return detail::splits_per_chunk(P, detail::kDlogitSplitCols); }
+
+// Tile bytes per row of a pass, for a piece of P columns: z (gemm path) and dlogit.
+size_t lean_per_row(const Problem& p, bool fused, int64_t P) {
+  return size_t(P) * (dtype_bytes(p.dtype) + (fused ? 0 : 4));
 }
 
-// Depends on the shapes, the dtype and the path only. The tiles take what the 256 MB budget
-// leaves (larger GEMMs run closer to cuBLAS's peak): at most tile_bytes, plus the fp32 dW piece
-// accumulator when there is more than one pass, plus cuBLAS's workspace.
-LeanLayout lean_layout(const Problem& p, bool fused, size_t tile_bytes) {
+// Depends on the shapes, the dtypes and the path only.
+LeanLayout lean_layout(const Problem& p, bool fused, DType dh_dtype) {
   LeanLayout L{};
   L.fused = fused;
-  L.P = lean_piece(p);
-  const size_t eb = dtype_bytes(p.dtype);
-  const int64_t splits = detail::splits_per_chunk(L.P, detail::kDlogitSplitCols);
-  const size_t per_row = fused ? size_t(L.P) * eb + size_t(splits) * 4 : size_t(L.P) * (4 + eb);
-  int64_t rmax = int64_t(tile_bytes / per_row) / 128 * 128;
-  if (rmax < 128) rmax = 128;
-  const int64_t passes = (p.n + rmax - 1) / rmax;
-  const int64_t per = passes > 0 ? (p.n + passes - 1) / passes : 1;
-  L.R = (per + 127) / 128 * 128;  // equal passes: a fuller last wave
-  auto al = [](size_t x) { return (x + 255) & ~size_t(255); };
+  L.dh_in = p.n * int64_t(dtype_bytes(dh_dtype)) / 4;
+  const size_t dh_ws = align256(size_t(p.n - L.dh_in) * p.h * 4);
+  const size_t fixed = blas::kWorkspaceAlloc + 256 /*tile base alignment*/ + dh_ws;
+  size_t tiles = kLeanBudget > fixed ? kLeanBudget - fixed : 0;
+  tiles = tiles < kLeanTileMin ? kLeanTileMin : (tiles > kLeanTileMax ? kLeanTileMax : tiles);
+  auto tile_bytes = [&](int64_t R, int64_t P) {
+    return R * int64_t(lean_per_row(p, fused, P)) + (fused ? R * dlogit_splits(P) * 4 : 0);
+  };
+  const int64_t v256 = ceil_to(p.v, 256);
+  // One row pass, the common case: dW goes straight to the dtype.
+  int64_t R = ceil_to(p.n, 128), P = int64_t(tiles) / R / int64_t(lean_per_row(p, fused, 1)) / 256 * 256;
+  P = P < v256 ? P : v256;
+  while (P > 0 && tile_bytes(R, P) > int64_t(tiles)) P -= 256;
+  size_t dwacc = 0;
+  if (P >= (kLeanMinPiece < v256 ? kLeanMinPiece : v256)) {
+    L.P_max = P > kLeanMaxPiece ? P : kLeanMaxPiece;
+  } else {
+    // More passes over pieces of at most 8192 columns, through an fp32 dW piece accumulator <= 64 MiB.
+    P = ((int64_t(16) << 20) / p.h) / 256 * 256;
+    P = P < 256 ? 256 : (P > 8192 ? 8192 : P);
+    P = P < v256 ? P : v256;
+    L.P_max = P;
+    dwacc = align256(size_t(P) * p.h * 4);
+    int64_t rmax = (int64_t(tiles) - int64_t(dwacc)) / (tile_bytes(1, P) + 1) / 128 * 128;
+    rmax = rmax > 128 ? rmax : 128;
+    const int64_t passes = (p.n + rmax - 1) / rmax;
+    R = ceil_to((p.n + passes - 1) / passes, 128);  // equal passes: a fuller last wave
+  }
+  L.P = P;
+  L.R = R;
   size_t o = 0;
-  if (!fused) { L.off_z = o; o += al(size_t(L.R) * L.P * 4); }
-  L.off_dlog = o; o += al(size_t(L.R) * L.P * eb);
-  if (fused) { L.off_dzz = o; o += al(size_t(L.R) * splits * 4); }
-  L.off_dwacc = o;
-  if (p.n > L.R) o += al(size_t(L.P) * p.h * 4);
-  L.total = blas::kWorkspaceAlloc + 256 /*tile base alignment*/ + o;
+  L.off_dh = o; o += dh_ws;
+  if (!fused) { L.off_z = o; o += align256(size_t(R) * P * 4); }
+  L.off_dlog = o; o += align256(size_t(R) * P * dtype_bytes(p.dtype));
+  if (fused) { L.off_dzz = o; o += align256(size_t(R) * dlogit_splits(L.P_max) * 4); }
+  L.off_dwacc = o; o += dwacc;
+  L.total = blas::kWorkspaceAlloc + 256 + o;
   return L;
 }
 
-// The gemm path in 128-row passes: what lean needs at the least (backward_lean falls back to it,
-// inside the fused layout's workspace, for operands that TMA cannot take).
-size_t lean_min_bytes(const Problem& p) { return lean_layout(p, false, 0).total + 1024; }
+// backward_lean falls back to the gemm path for operands that TMA cannot take: the workspace
+// holds either layout.
+size_t lean_workspace_bytes(const Problem& p, DType dh_dtype) {
+  const size_t g = lean_layout(p, false, dh_dtype).total;
+  if (!lean_fused(p)) return g;
+  const size_t f = lean_layout(p, true, dh_dtype).total;
+  return f > g ? f : g;
+}
 
-size_t lean_workspace_bytes(const Problem& p) {
-  const size_t t = lean_layout(p, lean_fused(p), kLeanTileBytes).total, m = lean_min_bytes(p);
-  return t > m ? t : m;
+// A piece: columns [c, c + cols) with tiles of width w (a multiple of 256; cols < w only at the
+// end of the vocab), either borrowed from dW's rows past the piece or in the workspace.
+struct LeanPiece {
+  int64_t c, w, cols;
+  bool borrowed;
+};
+
+// The piece from column c. Depends on the shapes only, so every run cuts the vocab alike.
+LeanPiece lean_next_piece(const Problem& p, const LeanLayout& L, int64_t c) {
+  const int64_t rest = p.v - c, eb = int64_t(dtype_bytes(p.dtype));
+  const int64_t row_bytes = int64_t(lean_per_row(p, L.fused, 1));
+  // borrowed: L.R rows of tiles + 256 (alignment) <= dW's rows [c + w, v)
+  int64_t w = ((rest * p.h * eb - 256) / (L.R * row_bytes + p.h * eb)) / 256 * 256;
+  w = w < L.P_max ? w : L.P_max;
+  while (w > 0 && L.R * int64_t(lean_per_row(p, L.fused, w)) + 256 > (rest - w) * p.h * eb) w -= 256;
+  if (w > L.P && w < rest) return {c, w, w, true};
+  // the workspace tile: the rest in equal pieces
+  const int64_t pieces = (rest + L.P - 1) / L.P;
+  w = ceil_to((rest + pieces - 1) / pieces, 256);
+  return {c, w, w < rest ? w : rest, false};
 }
 
 #if RLK_HAVE_SM90
@@ -264,102 +328,152 @@ __global__ void dzz_rows_kernel(const float* __restrict__ dzz, int64_t rows, int
 }
 #endif
 
-// The dlogit tile of rows [r0, r0 + rn) x piece columns [p0, p0 + pw) (and this tile's share of
-// dtemp, and of db).
+// Where a piece's tiles lie: z (gemm path), dlogit [rows, ld] and dzz (fused).
+struct LeanTile {
+  float* z;
+  void* dlog;
+  float* dzz;
+};
+
+// The dlogit tile of rows [r0, r0 + rn) x the piece's columns (and this tile's share of dtemp,
+// and of db).
 template <typename T>
-Status lean_tile(const Problem& p, const BwdArgs& a, const LeanLayout& L, unsigned char* base, void* ws,
-                 int64_t p0, int64_t pw, int64_t r0, int64_t rn, bool first_pass, cudaStream_t st) {
+Status lean_tile(const Problem& p, const BwdArgs& a, const LeanLayout& L, const LeanPiece& pc, const LeanTile& t,
+                 void* ws, int64_t r0, int64_t rn, bool first_pass, cudaStream_t st) {
   const size_t eb = dtype_bytes(p.dtype);
-  void* dlog = base + L.off_dlog;
-  const bool first_piece = p0 == 0, last_piece = p0 + L.P >= p.v;
+  const bool first_piece = pc.c == 0, last_piece = pc.c + pc.cols == p.v;
   if (L.fused) {
 #if RLK_HAVE_SM90
     Problem q = p;  // the piece as a problem of its own: one chunk, whose splits fix dzz's order
-    q.v = pw; q.chunk = pw; q.vocab_start = p.vocab_start + p0; q.n = rn;
+    q.v = pc.cols; q.chunk = pc.cols; q.vocab_start = p.vocab_start + pc.c; q.n = rn;
     BwdArgs b = a;
     b.hidden = static_cast<const unsigned char*>(a.hidden) + r0 * p.h * eb;
-    b.weight = static_cast<const unsigned char*>(a.weight) + p0 * p.h * eb;
-    b.bias = p.has_bias ? a.bias + p0 : nullptr;
+    b.weight = static_cast<const unsigned char*>(a.weight) + pc.c * p.h * eb;
+    b.bias = p.has_bias ? a.bias + pc.c : nullptr;
     b.targets = a.targets + r0; b.temperature = a.temperature + r0; b.lse = a.lse + r0; b.g = a.g + r0;
     if (p.with_entropy && a.e) { b.entropy = a.entropy + r0; b.e = a.e + r0; }
-    float* dzz = a.dtemp ? reinterpret_cast<float*>(base + L.off_dzz) : nullptr;
-    if (Status s = detail::sm90_dlogit(q, b, rn, dlog, L.P, dzz, st)) return s;
+    float* dzz = a.dtemp ? t.dzz : nullptr;
+    if (Status s = detail::sm90_dlogit(q, b, rn, t.dlog, pc.w, dzz, st)) return s;
     if (dzz) {
-      dzz_rows_kernel<<<blocks_of(rn, 256), 256, 0, st>>>(dzz, rn, detail::splits_per_chunk(pw, detail::kDlogitSplitCols),
-                                                          a.temperature + r0, a.dtemp + r0, !first_piece, last_piece);
+      dzz_rows_kernel<<<blocks_of(rn, 256), 256, 0, st>>>(dzz, rn, dlogit_splits(pc.cols), a.temperature + r0,
+                                                          a.dtemp + r0, !first_piece, last_piece);
       RLK_CHECK_LAUNCH("rlk cuda: dT kernel launch failed");
     }
 #else
     return "rlk cuda: the fused lean path needs the sm90 build";  // lean_fused is never true then
 #endif
   } else {
-    float* z = reinterpret_cast<float*>(base + L.off_z);
-    const blas::Mat Wp{static_cast<const unsigned char*>(a.weight) + p0 * p.h * eb, p.dtype, pw, p.h, p.h};
+    const blas::Mat Wp{static_cast<const unsigned char*>(a.weight) + pc.c * p.h * eb, p.dtype, pc.cols, p.h, p.h};
     const blas::Mat Hp{static_cast<const unsigned char*>(a.hidden) + r0 * p.h * eb, p.dtype, rn, p.h, p.h};
-    // z[rn, pw] = H[pass] W[piece]^T   (fp32; bias and 1/T are applied by dlogit_kernel)
-    if (Status s = blas::gemm(st, ws, Hp, false, Wp, true, z, DType::kF32, L.P, 0.f)) return s;
+    // z[rn, cols] = H[pass] W[piece]^T   (fp32; bias and 1/T are applied by dlogit_kernel)
+    if (Status s = blas::gemm(st, ws, Hp, false, Wp, true, t.z, DType::kF32, pc.w, 0.f)) return s;
     DlogitParams q = row_params(p, a, r0);
-    q.z = z; q.ldz = L.P;
-    q.dlog = dlog; q.ldd = L.P;
-    q.cols = pw; q.col0 = p.vocab_start + p0;
+    q.z = t.z; q.ldz = pc.w;
+    q.dlog = t.dlog; q.ldd = pc.w;
+    q.cols = pc.cols; q.col0 = p.vocab_start + pc.c;
     q.raw = true;
-    q.bias = p.has_bias ? a.bias + p0 : nullptr;
+    q.bias = p.has_bias ? a.bias + pc.c : nullptr;
     q.dzz_add = !first_piece;
     q.dtemp_last = last_piece;
     if (Status s = launch_dlogit<float, T>(q, rn, st)) return s;
   }
   if (p.has_bias && a.dbias)
-    if (Status s = launch_colsum<T>(dlog, L.P, rn, pw, a.dbias + p0, !first_pass, st)) return s;
+    if (Status s = launch_colsum<T>(t.dlog, pc.w, rn, pc.cols, a.dbias + pc.c, !first_pass, st)) return s;
+  return nullptr;
+}
+
+// dH rows [r0, r0 + rn) (+)= D W[piece], D the pass's dlogit rows from r0: rows below L.dh_in
+// accumulate in dhidden's bytes, the others in the workspace (fp32 both).
+Status dh_accumulate(const Problem& p, const BwdArgs& a, const LeanLayout& L, unsigned char* base, void* ws,
+                     const blas::Mat& D, const blas::Mat& Wp, int64_t r0, int64_t rn, float beta, cudaStream_t st) {
+  const size_t eb = dtype_bytes(p.dtype);
+  for (const bool inside : {true, false}) {
+    const int64_t lo = inside ? r0 : (r0 > L.dh_in ? r0 : L.dh_in);
+    const int64_t hi = inside ? (r0 + rn < L.dh_in ? r0 + rn : L.dh_in) : r0 + rn;
+    if (hi <= lo) continue;
+    float* c = inside ? static_cast<float*>(a.dhidden) + lo * p.h
+                      : reinterpret_cast<float*>(base + L.off_dh) + (lo - L.dh_in) * p.h;
+    const blas::Mat Dr{static_cast<const unsigned char*>(D.ptr) + (lo - r0) * D.ld * eb, D.dtype, hi - lo, D.cols, D.ld};
+    if (Status s = blas::gemm(st, ws, Dr, false, Wp, false, c, DType::kF32, p.h, beta)) return s;
+  }
+  return nullptr;
+}
+
+// A 16-bit dhidden from the fp32 accumulator (dhidden's own bytes: rows [0, dh_in); the
+// workspace: the rest). The rows inside dhidden are rounded in chunks through the workspace tile
+// and copied down (a row's 16-bit place overlaps fp32 rows already read); then the workspace rows
+// go straight to their place, which by then holds nothing still needed.
+template <typename T>
+Status finish_dhidden(const Problem& p, const BwdArgs& a, const LeanLayout& L, unsigned char* base, cudaStream_t st) {
+  T* out = static_cast<T*>(a.dhidden);
+  const int64_t chunk = L.R * L.P / p.h;  // rows that fit the workspace's dlogit tile
+  if (chunk < 1) return "rlk cuda: h too large for the lean backward's tile";
+  T* tmp = reinterpret_cast<T*>(base + L.off_dlog);
+  for (int64_t r0 = 0; r0 < L.dh_in; r0 += chunk) {
+    const int64_t rows = L.dh_in - r0 < chunk ? L.dh_in - r0 : chunk;
+    to_dtype_kernel<T><<<blocks_of(rows * p.h, 256), 256, 0, st>>>(static_cast<const float*>(a.dhidden) + r0 * p.h,
+                                                                   tmp, rows * p.h);
+    RLK_CHECK_LAUNCH("rlk cuda: dH conversion launch failed");
+    if (cudaMemcpyAsync(out + r0 * p.h, tmp, size_t(rows) * p.h * sizeof(T), cudaMemcpyDeviceToDevice, st) != cudaSuccess)
+      return "rlk cuda: dH copy failed";
+  }
+  const int64_t rest = (p.n - L.dh_in) * p.h;
+  if (rest > 0) {
+    to_dtype_kernel<T><<<blocks_of(rest, 256), 256, 0, st>>>(reinterpret_cast<const float*>(base + L.off_dh),
+                                                             out + L.dh_in * p.h, rest);
+    RLK_CHECK_LAUNCH("rlk cuda: dH conversion launch failed");
+  }
   return nullptr;
 }
 
 template <typename T>
 Status backward_lean(const Problem& p, const BwdArgs& a, Workspace ws, cudaStream_t st) {
-  LeanLayout L = lean_layout(p, lean_fused(p), kLeanTileBytes);
-  if (L.fused && ((reinterpret_cast<uintptr_t>(a.hidden) | reinterpret_cast<uintptr_t>(a.weight)) & 15)) {
-    // TMA cannot take these operands: the gemm path, its tiles fitted into the workspace (which
-    // holds at least lean_min_bytes: the 128-row tiles, the dW accumulator, cuBLAS's part)
-    const size_t row128 = size_t(128) * lean_piece(p) * (4 + dtype_bytes(p.dtype));
-    L = lean_layout(p, false, ws.bytes - lean_min_bytes(p) + row128);
-    if (L.total > ws.bytes) return "rlk cuda: lean backward workspace too small";
-  }
+  // TMA cannot take misaligned operands: the gemm path then (the workspace holds either layout)
+  const bool tma_ok = ((reinterpret_cast<uintptr_t>(a.hidden) | reinterpret_cast<uintptr_t>(a.weight)) & 15) == 0;
+  const LeanLayout L = lean_layout(p, lean_fused(p) && tma_ok, a.dhidden_dtype);
+  if (L.total > ws.bytes) return "rlk cuda: lean backward workspace too small";
   void* cublas_ws = ws.ptr;
   unsigned char* base = reinterpret_cast<unsigned char*>(
       (reinterpret_cast<uintptr_t>(ws.ptr) + blas::kWorkspaceAlloc + 255) & ~uintptr_t(255));
-  void* dlog = base + L.off_dlog;
   float* dwacc = reinterpret_cast<float*>(base + L.off_dwacc);
   const size_t eb = dtype_bytes(p.dtype);
   const unsigned char* hid = static_cast<const unsigned char*>(a.hidden);
   const unsigned char* wgt = static_cast<const unsigned char*>(a.weight);
   unsigned char* dw = static_cast<unsigned char*>(a.dweight);
   const int64_t npass = (p.n + L.R - 1) / L.R;
-  for (int64_t p0 = 0; p0 < p.v; p0 += L.P) {
-    const int64_t pw = p.v - p0 < L.P ? p.v - p0 : L.P;
-    const blas::Mat Wp{wgt + p0 * p.h * eb, p.dtype, pw, p.h, p.h};
+  for (int64_t c = 0; c < p.v;) {
+    const LeanPiece pc = lean_next_piece(p, L, c);
+    LeanTile t{reinterpret_cast<float*>(base + L.off_z), base + L.off_dlog, reinterpret_cast<float*>(base + L.off_dzz)};
+    if (pc.borrowed) {
+      unsigned char* b = reinterpret_cast<unsigned char*>(
+          (reinterpret_cast<uintptr_t>(dw + (pc.c + pc.w) * p.h * eb) + 255) & ~uintptr_t(255));
+      if (!L.fused) { t.z = reinterpret_cast<float*>(b); b += size_t(L.R) * pc.w * 4; }
+      t.dlog = b;
+    }
+    const blas::Mat Wp{wgt + pc.c * p.h * eb, p.dtype, pc.cols, p.h, p.h};
     for (int64_t pass = 0; pass < npass; ++pass) {
       const int64_t r0 = pass * L.R, rn = p.n - r0 < L.R ? p.n - r0 : L.R;
-      if (Status s = lean_tile<T>(p, a, L, base, cublas_ws, p0, pw, r0, rn, pass == 0, st)) return s;
+      if (Status s = lean_tile<T>(p, a, L, pc, t, cublas_ws, r0, rn, pass == 0, st)) return s;
       const blas::Mat Hp{hid + r0 * p.h * eb, p.dtype, rn, p.h, p.h};
-      const blas::Mat D{dlog, p.dtype, rn, pw, L.P};
+      const blas::Mat D{t.dlog, p.dtype, rn, pc.cols, pc.w};
       // dH[pass] (+)= dlogit W[piece], accumulated over pieces in fp32
-      if (Status s = blas::gemm(st, cublas_ws, D, false, Wp, false, a.dhidden + r0 * p.h, DType::kF32, p.h,
-                                p0 > 0 ? 1.f : 0.f))
-        return s;
+      if (Status s = dh_accumulate(p, a, L, base, cublas_ws, D, Wp, r0, rn, pc.c > 0 ? 1.f : 0.f, st)) return s;
       // dW[piece] (+)= dlogit^T H[pass]: straight to dtype with one pass, else through fp32
+      unsigned char* dwp = dw + pc.c * p.h * eb;
       if (npass == 1) {
-        if (Status s = blas::gemm(st, cublas_ws, D, true, Hp, false, dw + p0 * p.h * eb, p.dtype, p.h, 0.f)) return s;
+        if (Status s = blas::gemm(st, cublas_ws, D, true, Hp, false, dwp, p.dtype, p.h, 0.f)) return s;
         continue;
       }
       if (Status s = blas::gemm(st, cublas_ws, D, true, Hp, false, dwacc, DType::kF32, p.h, pass > 0 ? 1.f : 0.f))
         return s;
       if (pass == npass - 1) {
-        to_dtype_kernel<T><<<blocks_of(pw * p.h, 256), 256, 0, st>>>(dwacc, reinterpret_cast<T*>(dw + p0 * p.h * eb),
-                                                                      pw * p.h);
+        to_dtype_kernel<T><<<blocks_of(pc.cols * p.h, 256), 256, 0, st>>>(dwacc, reinterpret_cast<T*>(dwp), pc.cols * p.h);
         RLK_CHECK_LAUNCH("rlk cuda: dW conversion launch failed");
       }
     }
+    c += pc.cols;
   }
-  return nullptr;
+  return a.dhidden_dtype == DType::kF32 ? nullptr : finish_dhidden<T>(p, a, L, base, st);
 }
 
 template <typename T>
@@ -375,14 +489,15 @@ Status backward_t(const Problem& p, const BwdArgs& a, Workspace ws, cudaStream_t
 
 }  // namespace
 
-size_t backward_workspace_bytes(const Problem& p, bool fast) {
+size_t backward_workspace_bytes(const Problem& p, bool fast, DType dhidden_dtype) {
   if (p.n <= 0 || p.v <= 0 || p.h <= 0) return 0;
-  return fast ? blas::kWorkspaceAlloc : lean_workspace_bytes(p);
+  return fast ? blas::kWorkspaceAlloc : lean_workspace_bytes(p, dhidden_dtype);
 }
 
 Status backward(const Problem& p, const BwdArgs& a, Workspace ws, cudaStream_t stream) {
   if (Status s = detail::check_shape(p)) return s;
-  const size_t need = backward_workspace_bytes(p, a.logits != nullptr);
+  if (a.dhidden_dtype != DType::kF32 && a.dhidden_dtype != p.dtype) return "rlk cuda: dhidden is f32 or the operand dtype";
+  const size_t need = backward_workspace_bytes(p, a.logits != nullptr, a.dhidden_dtype);
   if (ws.bytes < need || (need && !ws.ptr)) return "rlk cuda: backward workspace too small";
   switch (p.dtype) {
     case DType::kF32: return backward_t<float>(p, a, ws, stream);

@@ -21,10 +21,11 @@ struct Workspace {
 Backend forward_backend(const Problem& p);
 
 size_t forward_workspace_bytes(const Problem& p);
-// `fast`: the backward reads kept logits (BwdArgs::logits); else it recomputes them (lean, at
-// most 240 MB whatever n and v). The lean layout also depends on whether the sm90 kernel does the
-// recompute (forward_backend), which is fixed per device and process.
-size_t backward_workspace_bytes(const Problem& p, bool fast);
+// `fast`: the backward reads kept logits (BwdArgs::logits); else it recomputes them (lean: all of
+// its extra memory is this workspace, at most 256 MiB unless n * h alone asks for more, see
+// linear_logp_bwd.cu). `dhidden_dtype`: BwdArgs::dhidden_dtype. The lean layout also depends on
+// whether the sm90 kernel does the recompute (forward_backend), fixed per device and process.
+size_t backward_workspace_bytes(const Problem& p, bool fast, DType dhidden_dtype);
 
 // `ran` (may be null) receives the backend that ran.
 Status forward(const Problem& p, const FwdArgs& a, Workspace ws, cudaStream_t stream, Backend* ran);

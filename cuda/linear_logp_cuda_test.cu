@@ -120,8 +120,9 @@ struct Outputs {
   bool kept_written = true;  // fast: every kept logit written (the poison is NaN)
 };
 
-// fast: the forward keeps the logits and the backward reads (and overwrites) them.
-static Outputs run_once(const Inputs& in, bool bwd, bool fast) {
+// fast: the forward keeps the logits and the backward reads (and overwrites) them. dh_dtype: f32
+// (a vocab shard's partial, as the frontends ask under TP) or the operand dtype (the whole vocab).
+static Outputs run_once(const Inputs& in, bool bwd, bool fast, DType dh_dtype) {
   const Problem& p = in.p;
   Outputs o;
   const int64_t K = num_chunks(p);
@@ -148,18 +149,23 @@ static Outputs run_once(const Inputs& in, bool bwd, bool fast) {
   o.stats = stats.get<float>(p.n * K * kStatWidth); o.tlogit = tl.get<float>(p.n);
   o.logp = logp.get<float>(p.n); o.lse = lse.get<float>(p.n); o.ent = ent.get<float>(p.n);
   if (!bwd) return o;
-  DevBuf dh(size_t(p.n) * p.h * 4), dw(size_t(p.v) * p.h * dtype_bytes(p.dtype)), db(p.v * 4), dzz(p.n * 4);
-  DevBuf bws(cuda::backward_workspace_bytes(p, fast));
+  DevBuf dh(size_t(p.n) * p.h * dtype_bytes(dh_dtype)), dw(size_t(p.v) * p.h * dtype_bytes(p.dtype)), db(p.v * 4), dzz(p.n * 4);
+  DevBuf bws(cuda::backward_workspace_bytes(p, fast, dh_dtype));
   dh.poison(); dw.poison(); db.poison(); dzz.poison(); bws.poison();
   BwdArgs ba;
   ba.hidden = in.hidden; ba.weight = in.weight; ba.bias = in.bias; ba.targets = in.targets;
   ba.temperature = in.temperature; ba.lse = lse.as<float>(); ba.entropy = p.with_entropy ? ent.as<float>() : nullptr;
   ba.g = in.g; ba.e = p.with_entropy ? in.e : nullptr;
-  ba.dhidden = dh.as<float>(); ba.dweight = dw.p; ba.dbias = p.has_bias ? db.as<float>() : nullptr;
+  ba.dhidden = dh.p; ba.dhidden_dtype = dh_dtype; ba.dweight = dw.p; ba.dbias = p.has_bias ? db.as<float>() : nullptr;
   ba.dtemp = dzz.as<float>(); ba.logits = kept.p;
   CKS(cuda::backward(p, ba, {bws.p, bws.bytes}, 0));
   CK(cudaDeviceSynchronize());
-  o.dh = dh.get<float>(size_t(p.n) * p.h);
+  if (dh_dtype == DType::kF32) o.dh = dh.get<float>(size_t(p.n) * p.h);
+  else {
+    const std::vector<uint16_t> raw = dh.get<uint16_t>(size_t(p.n) * p.h);
+    o.dh.resize(raw.size());
+    for (size_t i = 0; i < raw.size(); ++i) o.dh[i] = h2f(dh_dtype, raw.data(), i);
+  }
   if (p.dtype == DType::kF32) o.dw32 = dw.get<float>(size_t(p.v) * p.h);
   else o.dw16 = dw.get<uint16_t>(size_t(p.v) * p.h);
   if (p.has_bias) o.db = db.get<float>(p.v);
@@ -220,12 +226,13 @@ static void run_case(const Case& c, uint64_t seed) {
   CK(cudaMemcpy(T.p, tg.data(), c.n * 4, cudaMemcpyHostToDevice));
 
   Inputs in{p, hid, W.p, c.bias ? B.as<float>() : nullptr, T.as<int32_t>(), IT.as<float>(), G.as<float>(), E.as<float>()};
-  Outputs o = run_once(in, c.bwd, c.fast);
+  const DType dh_dtype = c.tp ? DType::kF32 : c.dt;  // as the frontends: f32 partials under TP
+  Outputs o = run_once(in, c.bwd, c.fast, dh_dtype);
 
   // host copies of the rounded operands
   std::vector<float> hh(size_t(c.n) * c.h), ww(size_t(c.v) * c.h), bb(c.v, 0.f);
   {
-    std::vector<uint8_t> raw(size_t(c.v) * c.h * eb);
+    std::vector<uint8_t> raw(size_t(std::max(c.n, c.v)) * c.h * eb);
     CK(cudaMemcpy(raw.data(), hid, size_t(c.n) * c.h * eb, cudaMemcpyDeviceToHost));
     for (size_t i = 0; i < hh.size(); ++i) hh[i] = h2f(c.dt, raw.data(), i);
     CK(cudaMemcpy(raw.data(), W.p, size_t(c.v) * c.h * eb, cudaMemcpyDeviceToHost));
@@ -294,7 +301,8 @@ static void run_case(const Case& c, uint64_t seed) {
   snprintf(nm, sizeof nm, "%-4s n=%-5lld h=%-4lld v=%-6lld%s%s%s pad=%lld", dname(c.dt), (long long)c.n, (long long)c.h,
            (long long)c.v, c.bias ? " bias" : "", c.entropy ? " ent" : "", c.misalign ? " unaligned" : "", (long long)c.pad);
   row.name = nm;
-  row.be = std::string(backend_name_local(o.fwd_be)) + "/" + (c.bwd ? (c.fast ? "fast" : "lean") : "-");
+  row.be = std::string(backend_name_local(o.fwd_be)) + "/" + (c.bwd ? (c.fast ? "fast" : "lean") : "-") +
+           (c.bwd ? (dh_dtype == DType::kF32 ? " dH32" : " dH16") : "");
   row.e_logp = relerr(d_logp, r_logp);
   row.e_ent = c.entropy ? relerr(d_ent, r_ent) : 0.0;
   row.e_dh = c.bwd ? relerr(d_dh, r_dh) : 0.0;
@@ -342,7 +350,7 @@ static void run_case(const Case& c, uint64_t seed) {
   row.written = wr && o.kept_written;
   // determinism: a second run
   {
-    Outputs o2 = run_once(in, c.bwd, c.fast);
+    Outputs o2 = run_once(in, c.bwd, c.fast, dh_dtype);
     bool d = same_bits(o.stats.data(), o2.stats.data(), o.stats.size()) && same_bits(o.logp.data(), o2.logp.data(), o.logp.size()) &&
              same_bits(o.ent.data(), o2.ent.data(), o.ent.size()) && same_bits(o.tlogit.data(), o2.tlogit.data(), o.tlogit.size());
     if (c.bwd)
@@ -359,7 +367,7 @@ static void run_case(const Case& c, uint64_t seed) {
     s.p.n = m;
     s.hidden = (const uint8_t*)in.hidden + a0 * c.h * eb;
     s.targets = in.targets + a0; s.temperature = in.temperature + a0; s.g = in.g + a0; s.e = in.e + a0;
-    Outputs os = run_once(s, c.bwd, c.fast);
+    Outputs os = run_once(s, c.bwd, c.fast, dh_dtype);
     bool b = same_bits(os.stats.data(), o.stats.data() + a0 * K * kStatWidth, m * K * kStatWidth) &&
              same_bits(os.logp.data(), o.logp.data() + a0, m) && same_bits(os.ent.data(), o.ent.data() + a0, m);
     row.batch = b;
@@ -376,7 +384,7 @@ static void run_case(const Case& c, uint64_t seed) {
     s.p.v = half; s.p.vocab_start = half;
     s.weight = (const uint8_t*)in.weight + half * c.h * eb;
     if (in.bias) s.bias = in.bias + half;
-    Outputs os = run_once(s, false, false);
+    Outputs os = run_once(s, false, false, DType::kF32);
     bool t = true;
     for (int64_t i = 0; i < c.n; ++i)
       t = t && same_bits(os.stats.data() + i * (K / 2) * kStatWidth, o.stats.data() + (i * K + K / 2) * kStatWidth, (K / 2) * kStatWidth);
@@ -410,14 +418,15 @@ static void bench_shape(const char* name, int64_t n, int64_t h, int64_t v, int r
   CK(cudaMemcpy(T.p, tg.data(), n * 4, cudaMemcpyHostToDevice));
   DevBuf stats(size_t(n) * K * 12), tl(n * 4), logp(n * 4), lse(n * 4), ent(n * 4), fws(cuda::forward_workspace_bytes(p));
   DevBuf dh(size_t(n) * h * 4), dw(size_t(v) * h * 2), dzz(n * 4);
-  DevBuf lean_ws(cuda::backward_workspace_bytes(p, false)), fast_ws(cuda::backward_workspace_bytes(p, true));
+  DevBuf lean_ws(cuda::backward_workspace_bytes(p, false, p.dtype)), fast_ws(cuda::backward_workspace_bytes(p, true, p.dtype));
   DevBuf kept(size_t(n) * v * 2);
   FwdArgs fa; fa.hidden = H.p; fa.weight = W.p; fa.targets = T.as<int32_t>(); fa.temperature = IT.as<float>();
   fa.stats = stats.as<float>(); fa.target_logit = tl.as<float>();
   CombineArgs ca; ca.n = n; ca.k = K; ca.real_vocab = v; ca.stats = stats.as<float>(); ca.target_logit = tl.as<float>();
   ca.targets = T.as<int32_t>(); ca.logp = logp.as<float>(); ca.lse = lse.as<float>(); ca.entropy = ent.as<float>();
   BwdArgs ba; ba.hidden = H.p; ba.weight = W.p; ba.targets = T.as<int32_t>(); ba.temperature = IT.as<float>();
-  ba.lse = lse.as<float>(); ba.g = G.as<float>(); ba.dhidden = dh.as<float>(); ba.dweight = dw.p; ba.dtemp = dzz.as<float>();
+  ba.lse = lse.as<float>(); ba.g = G.as<float>(); ba.dhidden = dh.p; ba.dhidden_dtype = p.dtype; ba.dweight = dw.p;
+  ba.dtemp = dzz.as<float>();
   cudaEvent_t e0, e1; CK(cudaEventCreate(&e0)); CK(cudaEventCreate(&e1));
   Backend be = Backend::kCount;
   // one timed step: the forward (+ combine), keeping the logits or not, then optionally a backward
@@ -503,11 +512,13 @@ int main(int argc, char** argv) {
     add({4097, 2048, 151936, DType::kBF16, true, true, 36, true, 100, 300, true, true});
     add({300, 72, 7013, DType::kBF16, true, true, 13, true, 5, 68, false});  // h % 64 != 0: portable
     add({16384, 256, 151936, DType::kBF16, false, true, 36, false, -1, -1, false});  // n*v > 2^31
+    add({80000, 64, vodd, DType::kBF16, true, true, 13, true, -1, -1, false});  // lean: 8 row passes across dH's split
+    add({16384, 2048, 151936, DType::kBF16, true, true, 36, true, -1, -1, false});  // lean: tiles borrowed from dW
   }
   }
   uint64_t seed = 1000;
   for (const Case& c : cases) run_case(c, seed += 17);
-  printf("\n%-52s %-8s %9s %9s %9s %9s %9s %9s %5s %5s %5s %5s %5s  %s\n", "case", "fwd/bwd", "logp", "entropy", "dH", "dW", "db", "dT",
+  printf("\n%-52s %-17s %9s %9s %9s %9s %9s %9s %5s %5s %5s %5s %5s  %s\n", "case", "fwd/bwd", "logp", "entropy", "dH", "dW", "db", "dT",
          "wrote", "det", "batch", "bgrad", "tp", "result");
   bool all = true;
   for (const Row& r : g_rows) {

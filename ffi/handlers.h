@@ -195,7 +195,7 @@ ffi::Error combine(Exec& ex, ffi::AnyBuffer stats, ffi::AnyBuffer target_logit, 
 }
 
 // backward: (hidden, weight, bias, targets, temperature, lse, entropy, g, e[, kept logits])
-//        -> (dhidden f32, dweight, dbias f32, dtemp f32). The fast variant's kept logits come as a
+//        -> (dhidden f32 or dtype, dweight, dbias f32, dtemp f32). The fast variant's kept logits come as a
 //        result aliased to the operand (the backend may overwrite them), hence a View here.
 template <class Exec>
 ffi::Error backward(Exec& ex, ffi::AnyBuffer hidden, ffi::AnyBuffer weight, ffi::AnyBuffer bias,
@@ -210,6 +210,9 @@ ffi::Error backward(Exec& ex, ffi::AnyBuffer hidden, ffi::AnyBuffer weight, ffi:
     return err;
   const View vl = view(lse, 1), ve = view(entropy, 1), vg = view(g, 1), vee = view(e, 1);
   const View dh = view(*dhidden, 2), dw = view(*dweight, 2), db = view(*dbias, 1), dt = view(*dtemp, 1);
+  DType dh_dtype;
+  if (!to_dtype(dhidden->element_type(), &dh_dtype) || (dh_dtype != DType::kF32 && dh_dtype != p.dtype))
+    return invalid("dhidden must be float32 or the dtype of hidden");
   const Batch batch(dh.lead);
   for (const View* v : std::initializer_list<const View*>{&in.hidden, &in.weight, &in.bias, &in.targets, &in.temperature, &vl, &ve, &vg, &vee})
     if (!batch.fits(*v)) return invalid("unsupported batching of the operands");
@@ -226,7 +229,8 @@ ffi::Error backward(Exec& ex, ffi::AnyBuffer hidden, ffi::AnyBuffer weight, ffi:
     a.g = batch.at<const float>(vg, b);
     a.e = p.with_entropy ? batch.at<const float>(vee, b) : nullptr;
     a.logits = kept ? batch.at(*kept, b) : nullptr;
-    a.dhidden = batch.at<float>(dh, b);
+    a.dhidden = batch.at(dh, b);
+    a.dhidden_dtype = dh_dtype;
     a.dweight = batch.at(dw, b);
     a.dbias = p.has_bias ? batch.at<float>(db, b) : nullptr;
     a.dtemp = batch.at<float>(dt, b);

@@ -207,7 +207,10 @@ void dl_backward(Array hidden, Array weight, std::optional<Array> bias, Array ta
     expect(*entropy, nb::dtype<float>(), {p.n}, c.device, "entropy");
     expect(*e, nb::dtype<float>(), {p.n}, c.device, "e");
   }
-  expect(dhidden, nb::dtype<float>(), {p.n, p.h}, c.device, "dhidden");
+  const rlk::DType dh_dtype = dtype_of(dhidden, "dhidden");
+  if (dh_dtype != rlk::DType::kF32 && dh_dtype != p.dtype)
+    throw std::invalid_argument("rlk: dhidden must be float32 or the dtype of hidden");
+  expect(dhidden, dhidden.dtype(), {p.n, p.h}, c.device, "dhidden");
   expect(dweight, hidden.dtype(), {p.v, p.h}, c.device, "dweight");
   if (bias && !dbias) throw std::invalid_argument("rlk: dbias is required with bias");
   if (dbias) expect(*dbias, nb::dtype<float>(), {p.v}, c.device, "dbias");
@@ -223,7 +226,8 @@ void dl_backward(Array hidden, Array weight, std::optional<Array> bias, Array ta
   a.g = static_cast<const float*>(g.data());
   a.e = with_entropy ? static_cast<const float*>(e->data()) : nullptr;
   a.logits = kept_of(logits, c);
-  a.dhidden = static_cast<float*>(dhidden.data());
+  a.dhidden = dhidden.data();
+  a.dhidden_dtype = dh_dtype;
   a.dweight = dweight.data();
   a.dbias = (bias && dbias) ? static_cast<float*>(dbias->data()) : nullptr;
   a.dtemp = static_cast<float*>(dtemp.data());
@@ -253,20 +257,23 @@ NB_MODULE(_rlk_core, m) {
   });
 
   m.def("cuda_workspace_bytes",
-        [](int64_t n, int64_t h, int64_t v, int64_t chunk, int dtype, bool has_bias, bool with_entropy) {
+        [](int64_t n, int64_t h, int64_t v, int64_t chunk, int dtype, bool has_bias, bool with_entropy,
+           bool dhidden_f32) {
 #if RLK_HAVE_CUDA
           const rlk::Problem p = shape_problem(n, h, v, chunk, dtype, has_bias, with_entropy);
+          const rlk::DType dh = dhidden_f32 ? rlk::DType::kF32 : p.dtype;
           return std::make_tuple(int64_t(rlk::cuda::forward_workspace_bytes(p)),
-                                 int64_t(rlk::cuda::backward_workspace_bytes(p, false)),
-                                 int64_t(rlk::cuda::backward_workspace_bytes(p, true)));
+                                 int64_t(rlk::cuda::backward_workspace_bytes(p, false, dh)),
+                                 int64_t(rlk::cuda::backward_workspace_bytes(p, true, dh)));
 #else
-          (void)shape_problem(n, h, v, chunk, dtype, has_bias, with_entropy);
+          (void)shape_problem(n, h, v, chunk, dtype, has_bias, with_entropy), (void)dhidden_f32;
           return std::make_tuple(int64_t(0), int64_t(0), int64_t(0));
 #endif
         },
         nb::arg("n"), nb::arg("h"), nb::arg("v"), nb::arg("chunk"), nb::arg("dtype"), nb::arg("has_bias"),
-        nb::arg("with_entropy"),
-        "(forward, lean backward, fast backward) CUDA workspace bytes for this problem shape.");
+        nb::arg("with_entropy"), nb::arg("dhidden_f32"),
+        "(forward, lean backward, fast backward) CUDA workspace bytes for this problem shape; the\n"
+        "backward's with dhidden in float32 (a vocab shard's partial sum) or in the operand dtype.");
 
   m.def("cuda_prepare_backward", [](int device) {
 #if RLK_HAVE_CUDA
@@ -306,6 +313,7 @@ NB_MODULE(_rlk_core, m) {
         nb::arg("e").noconvert().none(), nb::arg("logits").noconvert().none(), nb::arg("dhidden").noconvert(), nb::arg("dweight").noconvert(),
         nb::arg("dbias").noconvert().none(), nb::arg("dtemp").noconvert(), nb::arg("workspace").noconvert().none(),
         nb::arg("vocab_start"), nb::arg("real_vocab"), nb::arg("chunk"), nb::arg("ignore_index"), nb::arg("stream"),
-        "Backward into caller-allocated dhidden f32, dweight, dbias f32, dtemp f32 (DLPack). With `logits`\n"
-        "(the forward's kept logits) the fast strategy, which on CUDA overwrites them; else lean.");
+        "Backward into caller-allocated dhidden (float32, or the dtype of hidden), dweight, dbias f32, dtemp f32\n"
+        "(DLPack). With `logits` (the forward's kept logits) the fast strategy, which on CUDA overwrites them;\n"
+        "else lean.");
 }

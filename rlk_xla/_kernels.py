@@ -66,11 +66,11 @@ def _on_platform(results, cuda_workspace: int | None, name: str, args, attrs, al
     return lax.platform_dependent(*args, cpu=cpu, cuda=cuda)
 
 
-def _workspace(hidden, weight, cfg: KernelConfig) -> tuple[int, int, int]:
+def _workspace(hidden, weight, cfg: KernelConfig, dhidden_f32: bool = True) -> tuple[int, int, int]:
     """(forward, lean backward, fast backward) CUDA scratch bytes."""
     n, h = hidden.shape
     return core.cuda_workspace_bytes(n, h, weight.shape[0], cfg.chunk, DTYPE_CODE[jnp.dtype(hidden.dtype)],
-                                     cfg.has_bias, cfg.with_entropy)
+                                     cfg.has_bias, cfg.with_entropy, dhidden_f32)
 
 
 def _bias_arg(bias):
@@ -98,9 +98,12 @@ def combine(stats, target_logit, targets, *, real_vocab: int, ignore_index: int)
     return _on_platform((_sds((n,), F32, args),) * 3, None, "rlk_combine", args, attrs)
 
 
-def backward(hidden, weight, bias, targets, temperature, lse, entropy, g, e, cfg: KernelConfig, logits=None):
-    """-> dhidden [n, h] f32, dweight [v, h], dbias [v] f32, dtemperature [n] f32 (dhidden and
-    dtemperature: this shard's part).
+def backward(hidden, weight, bias, targets, temperature, lse, entropy, g, e, cfg: KernelConfig, logits=None,
+             dhidden_f32: bool = True):
+    """-> dhidden [n, h], dweight [v, h], dbias [v] f32, dtemperature [n] f32 (dhidden and
+    dtemperature: this shard's part). dhidden is f32 with dhidden_f32 (a vocab shard's partial, to be
+    summed over shards), else in hidden's dtype, rounded once from the f32 sum (the whole vocab: no
+    f32 [n, h] buffer at all).
     logits: the forward's kept logits (the fast strategy; the CUDA kernels overwrite the buffer,
     which XLA gives them through an operand-result alias), or None (lean: recompute)."""
     n, h = hidden.shape
@@ -108,10 +111,10 @@ def backward(hidden, weight, bias, targets, temperature, lse, entropy, g, e, cfg
     empty = jnp.zeros((0,), F32)
     args = (hidden, weight, _bias_arg(bias), targets, temperature, lse,
             entropy if cfg.with_entropy else empty, g, e if cfg.with_entropy else empty)
-    results = (_sds((n, h), F32, args), _sds((v, h), weight.dtype, args),
+    results = (_sds((n, h), F32 if dhidden_f32 else hidden.dtype, args), _sds((v, h), weight.dtype, args),
                _sds((v if cfg.has_bias else 0,), F32, args), _sds((n,), F32, args))
     _prepare_cuda()
-    ws = _workspace(hidden, weight, cfg)
+    ws = _workspace(hidden, weight, cfg, dhidden_f32)
     if logits is None:
         return _on_platform(results, ws[1], "rlk_backward", args, cfg.attrs())
     args += (logits,)

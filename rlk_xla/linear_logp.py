@@ -161,7 +161,9 @@ def _fused_bwd(st: _Static, res, cts):
     hidden, weight, bias, temperature, ktargets, lse, ent, kept = res
     g, e = cts
     hk, tk, ktk, lk, ek, gk, eek = _varying(st, hidden, temperature, ktargets, lse, ent, g.astype(F32), e.astype(F32))
-    dh, dw, db, dtemp = K.backward(hk, weight, bias, ktk, tk, lk, ek, gk, eek, st.cfg, logits=kept)
+    # A shard's dH is a partial sum: f32 until the all-reduce; the whole vocab's comes in the dtype.
+    dh, dw, db, dtemp = K.backward(hk, weight, bias, ktk, tk, lk, ek, gk, eek, st.cfg, logits=kept,
+                                   dhidden_f32=st.axis_name is not None)
     if st.axis_name is not None:
         # dH and dT are partial sums over this shard's vocab: one all-reduce each over the vocab
         # axis; dW and db stay local (reduced only over a token axis the weight is replicated on).

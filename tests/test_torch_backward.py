@@ -160,9 +160,9 @@ def test_cpu_fast_backward_only_reads_the_kept_logits():
     h, w, b, t, T = d["hidden"], d["weight"], kw["bias"].float(), d["targets"].int(), kw["temperature"]
     logp, ent, lse, logits = torch.ops.rlk.linear_logp(h, w, b, t, T, 200, 200, -100, True, True)
     before = logits.clone()
-    fast = torch.ops.rlk.linear_logp_backward(h, w, b, t, T, lse, ent, g, e, logits, 0, 200, 200, -100)
+    fast = torch.ops.rlk.linear_logp_backward(h, w, b, t, T, lse, ent, g, e, logits, 0, 200, 200, -100, False)
     assert torch.equal(logits, before)
-    lean = torch.ops.rlk.linear_logp_backward(h, w, b, t, T, lse, ent, g, e, torch.zeros(0), 0, 200, 200, -100)
+    lean = torch.ops.rlk.linear_logp_backward(h, w, b, t, T, lse, ent, g, e, torch.zeros(0), 0, 200, 200, -100, False)
     assert all(x.shape == y.shape and x.dtype == y.dtype for x, y in zip(fast, lean))
 
 
@@ -172,7 +172,7 @@ def test_backward_op_rejects_logits_that_are_not_the_kept_ones():
     lse = torch.zeros(10)
     for bad in (torch.zeros((10, 99), dtype=F16), torch.zeros((10, 100), dtype=torch.bfloat16), torch.zeros(3)):
         with pytest.raises(ValueError, match="logits must be the kept logits"):
-            torch.ops.rlk.linear_logp_backward(h, w, None, t, T, lse, None, g, None, bad, 0, 100, 100, -100)
+            torch.ops.rlk.linear_logp_backward(h, w, None, t, T, lse, None, g, None, bad, 0, 100, 100, -100, True)
 
 
 # ---- one backward per forward ---------------------------------------------------------------------

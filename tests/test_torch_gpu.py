@@ -104,9 +104,9 @@ def test_opcheck_cuda():
         torch.library.opcheck(torch.ops.rlk.linear_logp, (h, w, b, t, T, 500, chunk, -100, True, keep))
     torch.library.opcheck(torch.ops.rlk.combine, (stats, tl, t, 500, -100))
     # opcheck clones the arguments of every check: each fast backward gets its own kept logits
-    for logits in (torch.zeros(0, device=CUDA), kept):
+    for logits, f32 in ((torch.zeros(0, device=CUDA), False), (torch.zeros(0, device=CUDA), True), (kept, False)):
         torch.library.opcheck(torch.ops.rlk.linear_logp_backward,
-                              (h, w, b, t, T, lse, ent, g, e, logits, 0, 500, chunk, -100))
+                              (h, w, b, t, T, lse, ent, g, e, logits, 0, 500, chunk, -100, f32))
 
 
 def test_fast_backward_consumes_the_kept_logits_cuda():
@@ -115,7 +115,7 @@ def test_fast_backward_consumes_the_kept_logits_cuda():
     h, w, b, t, T = d["hidden"], d["weight"], kw["bias"].float(), d["targets"].int(), kw["temperature"]
     logp, ent, lse, logits = torch.ops.rlk.linear_logp(h, w, b, t, T, 512, 64, -100, True, True)
     before = logits.clone()
-    torch.ops.rlk.linear_logp_backward(h, w, b, t, T, lse, ent, g, e, logits, 0, 512, 64, -100)
+    torch.ops.rlk.linear_logp_backward(h, w, b, t, T, lse, ent, g, e, logits, 0, 512, 64, -100, False)
     assert not torch.equal(logits, before)
     hg = h.clone().requires_grad_()
     loss = torch_bridge.linear_logp(hg, w, d["targets"], backward="fast").sum()

@@ -152,7 +152,7 @@ def test_empty_input():
     for logits in (torch.zeros(0, dtype=torch.float32), torch.zeros((0, 10), dtype=torch.float32)):
         dh, dw, db, dt = torch.ops.rlk.linear_logp_backward(
             torch.zeros((0, 16)), torch.ones((10, 16)), torch.ones(10), torch.zeros(0, dtype=torch.int32),
-            torch.ones(0), torch.zeros(0), None, torch.zeros(0), None, logits, 0, 10, 10, -100)
+            torch.ones(0), torch.zeros(0), None, torch.zeros(0), None, logits, 0, 10, 10, -100, True)
         assert dh.shape == (0, 16) and not dw.any() and not db.any()
 
 
@@ -242,10 +242,10 @@ def _op_samples():
         forward_stats=[(h, w, b, t, T, 0, 290, chunk, -100, True, False),
                        (h.bfloat16(), w.bfloat16(), None, t, T, 0, 300, chunk, -100, False, True)],
         combine=[(stats, tl, t, 290, -100)],
-        linear_logp_backward=[(h, w, b, t, T, lse, ent, g, e, lean, 0, 290, chunk, -100),
-                              (h, w, b, t, T, lse, ent, g, e, kept, 0, 290, chunk, -100),
-                              (hh, wh, None, t, T, lse, None, g, None, lean, 0, 290, chunk, -100),
-                              (hh, wh, None, t, T, lse, None, g, None, kept16, 0, 290, chunk, -100)],
+        linear_logp_backward=[(h, w, b, t, T, lse, ent, g, e, lean, 0, 290, chunk, -100, True),
+                              (h, w, b, t, T, lse, ent, g, e, kept, 0, 290, chunk, -100, False),
+                              (hh, wh, None, t, T, lse, None, g, None, lean, 0, 290, chunk, -100, False),
+                              (hh, wh, None, t, T, lse, None, g, None, kept16, 0, 290, chunk, -100, True)],
         # the forward op has no autograd of its own (torch_bridge._ops.LinearLogp is its autograd)
         linear_logp=[args for keep in (False, True) for args in (
             (h, w, b, t, T, 290, chunk, -100, True, keep),

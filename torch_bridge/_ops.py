@@ -5,7 +5,7 @@ collectives between them):
   rlk::forward_stats          per-(row, canonical chunk) statistics, the local target logit and,
                               with keep_logits, this shard's logits for the fast backward
   rlk::combine                all chunks' statistics -> logp, lse, entropy (fixed chunk order)
-  rlk::linear_logp_backward   dH (this shard's partial, f32), dW, db (f32), dtemperature (partial)
+  rlk::linear_logp_backward   dH (this shard's partial: f32; the whole vocab's: dtype), dW, db (f32), dtemperature (partial)
 and the fused single-shard forward op, with its autograd (LinearLogp), traceable by
 torch.compile(fullgraph=True):
   rlk::linear_logp            (logp, entropy, lse, kept logits); backward through rlk::linear_logp_backward
@@ -61,13 +61,14 @@ def _prepare_backward(device_index: int) -> None:
     core.cuda_prepare_backward(device_index)
 
 
-def _workspace(hidden: Tensor, v: int, chunk: int, has_bias: bool, with_entropy: bool, which: int):
+def _workspace(hidden: Tensor, v: int, chunk: int, has_bias: bool, with_entropy: bool, which: int,
+               dhidden_f32: bool = True):
     if hidden.device.type != "cuda":
         return None
     if which != FORWARD:
         _prepare_backward(hidden.device.index)
     nbytes = core.cuda_workspace_bytes(hidden.shape[0], hidden.shape[1], v, chunk, DTYPE_CODE[hidden.dtype],
-                                       has_bias, with_entropy)[which]
+                                       has_bias, with_entropy, dhidden_f32)[which]
     return torch.empty((nbytes,), dtype=torch.uint8, device=hidden.device) if nbytes > 0 else None
 
 
@@ -158,11 +159,11 @@ def _(stats, target_logit, targets, real_vocab, ignore_index):
 # ---- rlk::linear_logp_backward --------------------------------------------------------------------
 
 def _backward(hidden, weight, bias, targets, temperature, lse, entropy, g, e, logits, vocab_start, real_vocab, chunk,
-              ignore_index):
+              ignore_index, dhidden_f32):
     n, h, v = hidden.shape[0], hidden.shape[1], weight.shape[0]
     kept = _kept(logits, hidden, v)
     dev = hidden.device
-    dh = torch.empty((n, h), dtype=F32, device=dev)
+    dh = torch.empty((n, h), dtype=F32 if dhidden_f32 else hidden.dtype, device=dev)
     dw = torch.empty((v, h), dtype=weight.dtype, device=dev)
     db = torch.empty((v if bias is not None else 0,), dtype=F32, device=dev)
     dtemp = torch.empty((n,), dtype=F32, device=dev)
@@ -176,7 +177,7 @@ def _backward(hidden, weight, bias, targets, temperature, lse, entropy, g, e, lo
                       _c(g.to(F32)), _c(e.to(F32)) if with_entropy else None, kept, dh, dw,
                       db if bias is not None else None, dtemp,
                       _workspace(hidden, v, chunk, bias is not None, with_entropy,
-                                 BACKWARD_LEAN if kept is None else BACKWARD_FAST),
+                                 BACKWARD_LEAN if kept is None else BACKWARD_FAST, dhidden_f32),
                       int(vocab_start), int(real_vocab), int(chunk), int(ignore_index), _stream(hidden))
     return dh, dw, db, dtemp
 
@@ -185,19 +186,21 @@ def _backward(hidden, weight, bias, targets, temperature, lse, entropy, g, e, lo
 def linear_logp_backward(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], targets: Tensor,
                          temperature: Tensor, lse: Tensor, entropy: Optional[Tensor], g: Tensor,
                          e: Optional[Tensor], logits: Tensor, vocab_start: int, real_vocab: int, chunk: int,
-                         ignore_index: int) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(dhidden [n, h] f32 partial over this shard's vocab, dweight [v, h] in weight's dtype,
+                         ignore_index: int, dhidden_f32: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(dhidden [n, h] partial over this shard's vocab, dweight [v, h] in weight's dtype,
     dbias [v] f32 ([0] without bias), dtemperature [n] f32 partial).
+    dhidden is f32 with dhidden_f32 (a vocab shard's part, to be summed over shards), else in
+    hidden's dtype, rounded once from the f32 sum (no f32 [n, h] buffer).
     logits: the forward's kept logits (fast; overwritten on CUDA) or an empty [0] tensor (lean)."""
     return _backward(hidden, weight, bias, targets, temperature, lse, entropy, g, e, logits, vocab_start, real_vocab,
-                     chunk, ignore_index)
+                     chunk, ignore_index, dhidden_f32)
 
 
 @linear_logp_backward.register_fake
 def _(hidden, weight, bias, targets, temperature, lse, entropy, g, e, logits, vocab_start, real_vocab, chunk,
-      ignore_index):
+      ignore_index, dhidden_f32):
     n, h, v = hidden.shape[0], hidden.shape[1], weight.shape[0]
-    return (hidden.new_empty((n, h), dtype=F32), weight.new_empty((v, h)),
+    return (hidden.new_empty((n, h), dtype=F32 if dhidden_f32 else hidden.dtype), weight.new_empty((v, h)),
             hidden.new_empty((v if bias is not None else 0,), dtype=F32), hidden.new_empty((n,), dtype=F32))
 
 
@@ -284,6 +287,6 @@ class LinearLogp(torch.autograd.Function):
             e = torch.zeros_like(lse) if e is None else e.contiguous()
         dh, dw, db, dtemp = torch.ops.rlk.linear_logp_backward(
             hidden, weight, bias32, targets, temperature, lse, ent if with_entropy else None, g,
-            e if with_entropy else None, KeptLogits.for_backward(ctx, logits), 0, real_vocab, chunk, ignore_index)
-        return (dh.to(hidden.dtype), dw, (db if bias32 is not None else None), dtemp, None, None, None, None, None,
+            e if with_entropy else None, KeptLogits.for_backward(ctx, logits), 0, real_vocab, chunk, ignore_index, False)
+        return (dh, dw, (db if bias32 is not None else None), dtemp, None, None, None, None, None,
                 None)

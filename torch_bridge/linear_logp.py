@@ -170,7 +170,7 @@ class _VocabParallel(torch.autograd.Function):
         dh, dw, db, dtemp = torch.ops.rlk.linear_logp_backward(
             hidden, weight, bias32, targets, temperature, lse, ent if cfg.with_entropy else None, g,
             e if cfg.with_entropy else None, _ops.KeptLogits.for_backward(ctx, logits), cfg.vocab_start,
-            cfg.real_vocab, cfg.chunk, cfg.ignore_index)
+            cfg.real_vocab, cfg.chunk, cfg.ignore_index, True)  # f32 partials: summed over the shards
         if cfg.reduce_grad_hidden and ctx.needs_input_grad[0]:
             dist.all_reduce(dh, op=dist.ReduceOp.SUM, group=cfg.group)
         if ctx.needs_input_grad[3]:

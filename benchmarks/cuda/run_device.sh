@@ -33,7 +33,7 @@ echo "cuBLAS: $RLK_CUBLAS_PATH"
 echo "built $(date)"
 for step in "$@"; do
   case $step in
-    test) timeout 150 $B/lptest 2>&1 | tee $OUT/test.log ;;
+    test) timeout 300 $B/lptest 2>&1 | tee $OUT/test.log ;;
     quick) timeout 150 $B/lptest --quick 2>&1 | tee $OUT/test.log ;;
     san) timeout 200 compute-sanitizer --tool memcheck --print-limit 5 $B/lptest --tiny 2>&1 | tail -n 25 | tee $OUT/memcheck.log
          timeout 200 compute-sanitizer --tool racecheck --print-limit 5 $B/lptest --tiny 2>&1 | tail -n 25 | tee $OUT/racecheck.log ;;

@@ -170,7 +170,9 @@ struct CombineArgs {
 // Backward. Rows whose target is ignored or invalid get no gradient.
 //   in : as forward, plus lse [n], entropy [n] (null when !with_entropy), g = dL/dlogp [n],
 //        e = dL/dentropy [n] (null when !with_entropy)
-//   out: dhidden [n, h] f32 (this shard's partial sum over its vocab), dweight [v, h] dtype,
+//   out: dhidden [n, h] in dhidden_dtype: f32 for a vocab shard's partial sum (the frontends add
+//        the shards' parts in f32), or the operand dtype for the whole vocab (rounded once from the
+//        f32 sum; no f32 [n, h] buffer leaves the backend), dweight [v, h] dtype,
 //        dbias [v] f32 (null when !has_bias), dtemp [n] f32 (may be null) = this shard's part of
 //        dT = -inv_temp * sum_j dz_j z_j (the frontends sum it over shards).
 //   Strategy: with `logits` (the forward's kept logits) the backward reads z instead of
@@ -187,7 +189,8 @@ struct BwdArgs {
   const float* g = nullptr;
   const float* e = nullptr;
   void* logits = nullptr;
-  float* dhidden = nullptr;
+  void* dhidden = nullptr;
+  DType dhidden_dtype = DType::kF32;  // kF32 or the Problem's dtype
   void* dweight = nullptr;
   float* dbias = nullptr;
   float* dtemp = nullptr;
