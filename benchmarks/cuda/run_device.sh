@@ -1,11 +1,11 @@
 #!/bin/bash
 # Build the CUDA backend + its test on the device machine and run: test, sanitizers, bench.
 #   benchmarks/cuda/run_device.sh [test] [san] [bench] [gemm] [ab]   (any subset; logs under $OUT)
-# ab: this tree's kernels against a second build of the sm90 kernel and the backward, from
-#   AB_SM90 (another linear_logp_sm90.cu, e.g. `git show REV:cuda/linear_logp_sm90.cu > ab_sm90.cu`
-#   before the run) and/or with AB_DEFS (e.g. -DRLK_DLOGIT_SPLIT=256), benched over AB_SHAPES
-#   (default T1,T2,T3), the two binaries interleaved twice: machines differ by more than most
-#   changes, so only a same-machine A/B shows a few percent.
+# ab: this tree's kernels against other builds of the three kernel files: AB_SM90 (another
+#   linear_logp_sm90.cu, e.g. `git show REV:cuda/linear_logp_sm90.cu > ab_sm90.cu` before the run)
+#   and/or AB_DEFS (';'-separated variants, e.g. "-DRLK_SPLIT_COLS=512;-DRLK_SPLIT_COLS=256"), benched
+#   over AB_SHAPES (default T1,T2,T3), all binaries interleaved twice: machines differ by more than
+#   most changes, so only a same-machine A/B shows a few percent.
 set -o pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/out}; mkdir -p $OUT
@@ -41,14 +41,24 @@ for step in "$@"; do
     bench1) timeout 60 $B/lptest --bench --only T3 2>&1 | tee $OUT/bench.log ;;
     prof) timeout 200 ncu --clock-control none --metrics gpu__time_duration.sum --csv $B/lptest --profile --only ${PROF_SHAPE:-T3} > $OUT/ncu.csv 2>$OUT/ncu.err; tail -3 $OUT/ncu.err
           python3 benchmarks/cuda/ncu_summary.py $OUT/ncu.csv ;;
-    ab) A=/tmp/rlkab; mkdir -p $A
-        nvcc $FLAGS $AB_DEFS -gencode=arch=compute_90a,code=sm_90a -c ${AB_SM90:-cuda/linear_logp_sm90.cu} -o $A/sm90.o &
-        nvcc $FLAGS $AB_DEFS -gencode=arch=compute_90,code=sm_90 -c cuda/linear_logp_bwd.cu -o $A/bwd.o &
+    ab) IFS=';' read -ra variants <<< "${AB_DEFS:-}"
+        [ -n "${AB_SM90:-}" ] && [ ${#variants[@]} -eq 0 ] && variants=("")
+        for k in "${!variants[@]}"; do
+          A=/tmp/rlkab$k; mkdir -p $A
+          nvcc $FLAGS ${variants[$k]} -gencode=arch=compute_90a,code=sm_90a -c ${AB_SM90:-cuda/linear_logp_sm90.cu} -o $A/sm90.o &
+          for f in linear_logp_bwd linear_logp_cuda; do
+            nvcc $FLAGS ${variants[$k]} -gencode=arch=compute_90,code=sm_90 -c cuda/$f.cu -o $A/$f.o &
+          done
+        done
         wait
-        nvcc -o $A/lptest $B/test.o $B/blas.o $B/linear_logp_cuda.o $A/bwd.o $A/sm90.o -lcudart -ldl || exit 1
-        for r in 1 2; do for v in tree ab; do for s in $(echo ${AB_SHAPES:-T1,T2,T3} | tr , ' '); do
-          bin=$B/lptest; [ $v = ab ] && bin=$A/lptest
-          echo -n "$v: "; timeout 60 $bin --bench --only $s | grep BENCH
+        for k in "${!variants[@]}"; do
+          A=/tmp/rlkab$k
+          nvcc -o $A/lptest $B/test.o $B/blas.o $A/linear_logp_cuda.o $A/linear_logp_bwd.o $A/sm90.o -lcudart -ldl || exit 1
+        done
+        for r in 1 2; do for v in tree "${!variants[@]}"; do for s in $(echo ${AB_SHAPES:-T1,T2,T3} | tr , ' '); do
+          bin=$B/lptest; name=tree
+          [ $v != tree ] && bin=/tmp/rlkab$v/lptest && name="ab${v}[${variants[$v]}]"
+          echo -n "$name: "; timeout 60 $bin --bench --only $s | grep BENCH
         done; done; done 2>&1 | tee $OUT/ab.log ;;
     gemm) python3 - <<'PY' 2>&1 | tee $OUT/gemm.log
 import torch, triton
