@@ -20,8 +20,9 @@ Results go to OUT/benchmarks.json after every shape, with the table and plots of
     python benchmarks/bench_gpu.py --skip-accuracy     # no float64 gradients (faster)
 
 Times: torch paths with triton.testing.do_bench (median, CUDA events); JAX paths with wall time
-per call over calls issued back to back, then block_until_ready (median of 10 such batches), so
-that neither frontend's host latency counts (../shared/anchors timed single JAX calls).
+per call as the difference between k and 2k calls issued back to back, each ending in one
+block_until_ready (median of 10; rlk_xla.cli.time_ms), so that neither frontend's host latency
+counts (../shared/anchors timed single JAX calls).
 Memory: torch: the peak allocated during one fwd+bwd step beyond what was live before it (the inputs, and the previous step's
 gradients, which the step frees before making its own); JAX: XLA's compiled temp bytes of the
 jitted fwd+bwd (arguments and outputs excluded).
@@ -213,8 +214,8 @@ def _jax_grad(fn):
 
 
 def _time_ms(f, *args):
-    """Device time per call: calls batched back to back (about 20 ms per sample), so that JAX's
-    dispatch and sync latency does not count, as for do_bench's torch timings."""
+    """Device time per call: batches of back to back calls (about 20 ms, and twice that, per
+    sample), so that JAX's dispatch and sync latency does not count, as for do_bench's torch timings."""
     from rlk_xla.cli import time_ms
     one = time_ms(f, *args, iters=3)
     return time_ms(f, *args, iters=10, batch=max(1, min(100, int(20 / max(one, 1e-3)))))

@@ -489,6 +489,17 @@ Status backward_t(const Problem& p, const BwdArgs& a, Workspace ws, cudaStream_t
 
 }  // namespace
 
+LeanPlan lean_plan(const Problem& p, bool fused, DType dhidden_dtype) {
+  const LeanLayout L = lean_layout(p, fused, dhidden_dtype);
+  LeanPlan plan{L.total, size_t(L.R) * lean_per_row(p, fused, L.P), L.R, {}};
+  for (int64_t c = 0; c < p.v;) {
+    const LeanPiece pc = lean_next_piece(p, L, c);
+    plan.pieces.push_back({pc.c, pc.cols, pc.w, pc.borrowed, size_t(L.R) * lean_per_row(p, fused, pc.w)});
+    c += pc.cols;
+  }
+  return plan;
+}
+
 size_t backward_workspace_bytes(const Problem& p, bool fast, DType dhidden_dtype) {
   if (p.n <= 0 || p.v <= 0 || p.h <= 0) return 0;
   return fast ? blas::kWorkspaceAlloc : lean_workspace_bytes(p, dhidden_dtype);

@@ -275,6 +275,29 @@ NB_MODULE(_rlk_core, m) {
         "(forward, lean backward, fast backward) CUDA workspace bytes for this problem shape; the\n"
         "backward's with dhidden in float32 (a vocab shard's partial sum) or in the operand dtype.");
 
+  m.def("cuda_lean_plan",
+        [](int64_t n, int64_t h, int64_t v, int dtype, bool dhidden_f32, bool fused) {
+          nb::dict out;
+#if RLK_HAVE_CUDA
+          const rlk::Problem p = shape_problem(n, h, v, v, dtype, false, false);
+          const rlk::cuda::LeanPlan plan = rlk::cuda::lean_plan(p, fused, dhidden_f32 ? rlk::DType::kF32 : p.dtype);
+          nb::list pieces;
+          for (const auto& pc : plan.pieces)
+            pieces.append(nb::make_tuple(pc.col, pc.cols, pc.width, pc.borrowed, int64_t(pc.tile_bytes)));
+          out["workspace_bytes"] = int64_t(plan.workspace_bytes);
+          out["ws_tile_bytes"] = int64_t(plan.ws_tile_bytes);
+          out["rows_per_pass"] = plan.rows_per_pass;
+          out["pieces"] = pieces;
+#else
+          (void)n, (void)h, (void)v, (void)dtype, (void)dhidden_f32, (void)fused;
+#endif
+          return out;
+        },
+        nb::arg("n"), nb::arg("h"), nb::arg("v"), nb::arg("dtype"), nb::arg("dhidden_f32"), nb::arg("fused"),
+        "The CUDA lean backward's plan for this shape (for tests and reports; {} without CUDA):\n"
+        "workspace_bytes, ws_tile_bytes, rows_per_pass, pieces [(col, cols, width, borrowed, tile_bytes)].\n"
+        "fused: the sm90 recompute (a device decides it; here it is given).");
+
   m.def("cuda_prepare_backward", [](int device) {
 #if RLK_HAVE_CUDA
     check(rlk::cuda::prepare_backward(device));

@@ -106,17 +106,21 @@ def check(device_name: str = "default") -> int:
 
 
 def time_ms(fn, *args, iters: int = 10, batch: int = 1) -> float:
-    """Median wall time (ms) per call of a JAX callable, after one warm-up call: each of `iters`
-    samples times `batch` calls issued back to back and one block_until_ready, so that with
-    batch > 1 the host's dispatch and sync latency overlap the device work (as in do_bench)."""
+    """Median time (ms) per call of a JAX callable, after one warm-up call. Each of `iters` samples
+    issues `batch` calls back to back and waits once, then `2 * batch` calls and waits once: their
+    difference per extra call cancels what a sample pays once (the first call's dispatch, the final
+    sync), as CUDA events do for do_bench on the torch side. (One call per sample, as before, counted
+    that latency in every call of 10 ms or more.)"""
     jax.block_until_ready(fn(*args))
-    ts = []
-    for _ in range(iters):
+
+    def wall(calls: int) -> float:
         t0 = time.perf_counter()
-        for _ in range(batch - 1):
+        for _ in range(calls - 1):
             fn(*args)
         jax.block_until_ready(fn(*args))
-        ts.append((time.perf_counter() - t0) / batch)
+        return time.perf_counter() - t0
+
+    ts = [(wall(2 * batch) - wall(batch)) / batch for _ in range(iters)]
     return float(np.median(ts)) * 1e3
 
 

@@ -26,3 +26,21 @@ def test_bench_prints_a_table():
     r = run("bench", "--shape", "64,32,500", "--device", "cpu", "--iters", "1")
     assert r.returncode == 0, r.stdout + r.stderr
     assert "fused f+b temp MB" in r.stdout and "64x32x500" in r.stdout
+
+
+def test_time_ms_cancels_a_samples_latency(monkeypatch):
+    """time_ms (the JAX timings of the CLI and of benchmarks/bench_gpu.py) counts the calls, not
+    what a sample pays once: here 2 ms per call and 30 ms of sync latency per sample."""
+    import time
+
+    import jax
+
+    from rlk_xla.cli import time_ms
+
+    def sync(x):
+        time.sleep(0.030)
+        return x
+
+    monkeypatch.setattr(jax, "block_until_ready", sync)
+    t = time_ms(lambda: time.sleep(0.002), iters=5)
+    assert 1.0 < t < 15.0, t  # one call per sample would read 32 ms
