@@ -1,17 +1,18 @@
 // The CUDA backward, two strategies over the same pieces:
 //   dlogit   dlogit = dz * inv_temp (dtype), dT per row (fixed reduction order) and, with a bias,
 //            db by column sums in row order;
-//   dH = dlogit W (fp32 out) and dW = dlogit^T H (dtype out): cuBLAS GEMMs (blas.h says why).
+//   dH = dlogit W (BwdArgs::dhidden_dtype out) and dW = dlogit^T H (dtype out): cuBLAS GEMMs
+//   (blas.h says why).
 // fast  z comes from the forward's kept logits [n, v] (FwdArgs::logits); one memory-bound pass
 //       (dlogit_kernel, one block per row) overwrites them with dlogit in place (same element
 //       size: fp16 -> bf16/fp16, fp32 -> fp32). Work: the two gradient GEMMs plus ~4 bytes moved
 //       per logit; extra memory: the kept logits.
-// lean  dlogit is formed per (vocab piece, row pass) in a workspace tile: on Hopper by the sm90
-//       kernel itself (it recomputes z and writes dlogit from its accumulators), elsewhere by a
-//       cuBLAS GEMM into an fp32 z tile and dlogit_kernel. dH accumulates over pieces in fp32
-//       (piece order), dW over passes in an fp32 piece accumulator (pass order; one pass, the
-//       common case, writes dW directly). Work: three GEMMs; workspace bounded (lean_layout)
-//       whatever n, v.
+// lean  dlogit is formed per (vocab piece, row pass) in a tile: on Hopper by the sm90 kernel
+//       itself (it recomputes z and writes dlogit from its accumulators), elsewhere by a cuBLAS
+//       GEMM into an fp32 z tile and dlogit_kernel. dH accumulates over pieces in fp32 (piece
+//       order), dW over passes in an fp32 piece accumulator (pass order; one pass, the common
+//       case, writes dW directly). Work: three GEMMs; all extra memory in a workspace planned
+//       within 256 MiB (lean_layout; the section below says where it can exceed that).
 // No atomics: every sum has one order fixed by the shapes, so repeated runs give the same bits.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -267,7 +268,7 @@ LeanLayout lean_layout(const Problem& p, bool fused, DType dh_dtype) {
     P = P < v256 ? P : v256;
     L.P_max = P;
     dwacc = align256(size_t(P) * p.h * 4);
-    int64_t rmax = (int64_t(tiles) - int64_t(dwacc)) / (tile_bytes(1, P) + 1) / 128 * 128;
+    int64_t rmax = (int64_t(tiles) - int64_t(dwacc)) / tile_bytes(1, P) / 128 * 128;
     rmax = rmax > 128 ? rmax : 128;
     const int64_t passes = (p.n + rmax - 1) / rmax;
     R = ceil_to((p.n + passes - 1) / passes, 128);  // equal passes: a fuller last wave
