@@ -403,8 +403,7 @@ Status combine(const CombineArgs& a) {
 
 Status backward(const Problem& p, const BwdArgs& a) {
   if (p.chunk <= 0 || p.v % p.chunk != 0) return "rlk cpu backward: chunk must divide the local vocab";
-  if (a.dhidden_dtype != DType::kF32 && a.dhidden_dtype != p.dtype)
-    return "rlk cpu backward: dhidden is f32 or the operand dtype";
+  if (Status s = check_dhidden_dtype(p, a.dhidden_dtype)) return s;
   if (p.n == 0) {  // no rows: dW and db are zero
     std::vector<float> zero(size_t(p.h), 0.f);
     for (int64_t j = 0; j < p.v; ++j) from_f32(p.dtype, zero.data(), p.h, a.dweight, j * p.h);

@@ -17,6 +17,8 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <algorithm>
+
 #include "blas.h"
 #include "linear_logp_cuda.h"
 #include "lp_gemm_portable.cuh"  // to_f / from_f
@@ -233,6 +235,7 @@ struct LeanLayout {
 bool lean_fused(const Problem& p) { return forward_backend(p) == Backend::kCudaSm90; }
 
 size_t align256(size_t x) { return (x + 255) & ~size_t(255); }
+unsigned char* align256(unsigned char* p) { return reinterpret_cast<unsigned char*>(align256(reinterpret_cast<uintptr_t>(p))); }
 int64_t ceil_to(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 int64_t dlogit_splits(int64_t P) { return detail::splits_per_chunk(P, detail::kDlogitSplitCols); }
 
@@ -305,15 +308,26 @@ struct LeanPiece {
 LeanPiece lean_next_piece(const Problem& p, const LeanLayout& L, int64_t c) {
   const int64_t rest = p.v - c, eb = int64_t(dtype_bytes(p.dtype));
   const int64_t row_bytes = int64_t(lean_per_row(p, L.fused, 1));
-  // borrowed: L.R rows of tiles + 256 (alignment) <= dW's rows [c + w, v)
+  // borrowed: L.R rows of tiles + 256 (alignment) <= dW's rows [c + w, v), solved for w (tiles
+  // grow linearly in w)
   int64_t w = ((rest * p.h * eb - 256) / (L.R * row_bytes + p.h * eb)) / 256 * 256;
   w = w < L.P_max ? w : L.P_max;
-  while (w > 0 && L.R * int64_t(lean_per_row(p, L.fused, w)) + 256 > (rest - w) * p.h * eb) w -= 256;
   if (w > L.P && w < rest) return {c, w, w, true};
   // the workspace tile: the rest in equal pieces
   const int64_t pieces = (rest + L.P - 1) / L.P;
   w = ceil_to((rest + pieces - 1) / pieces, 256);
   return {c, w, w < rest ? w : rest, false};
+}
+
+// f(piece) for the pieces in vocab order; stops at the first error.
+template <class F>
+Status for_each_lean_piece(const Problem& p, const LeanLayout& L, F&& f) {
+  for (int64_t c = 0; c < p.v;) {
+    const LeanPiece pc = lean_next_piece(p, L, c);
+    if (Status s = f(pc)) return s;
+    c += pc.cols;
+  }
+  return nullptr;
 }
 
 #if RLK_HAVE_SM90
@@ -388,16 +402,15 @@ Status lean_tile(const Problem& p, const BwdArgs& a, const LeanLayout& L, const 
 Status dh_accumulate(const Problem& p, const BwdArgs& a, const LeanLayout& L, unsigned char* base, void* ws,
                      const blas::Mat& D, const blas::Mat& Wp, int64_t r0, int64_t rn, float beta, cudaStream_t st) {
   const size_t eb = dtype_bytes(p.dtype);
-  for (const bool inside : {true, false}) {
-    const int64_t lo = inside ? r0 : (r0 > L.dh_in ? r0 : L.dh_in);
-    const int64_t hi = inside ? (r0 + rn < L.dh_in ? r0 + rn : L.dh_in) : r0 + rn;
-    if (hi <= lo) continue;
-    float* c = inside ? static_cast<float*>(a.dhidden) + lo * p.h
-                      : reinterpret_cast<float*>(base + L.off_dh) + (lo - L.dh_in) * p.h;
+  // rows [lo, hi) into the fp32 matrix acc, whose row 0 is row `first`
+  auto rows = [&](int64_t lo, int64_t hi, float* acc, int64_t first) -> Status {
+    if (hi <= lo) return nullptr;
     const blas::Mat Dr{static_cast<const unsigned char*>(D.ptr) + (lo - r0) * D.ld * eb, D.dtype, hi - lo, D.cols, D.ld};
-    if (Status s = blas::gemm(st, ws, Dr, false, Wp, false, c, DType::kF32, p.h, beta)) return s;
-  }
-  return nullptr;
+    return blas::gemm(st, ws, Dr, false, Wp, false, acc + (lo - first) * p.h, DType::kF32, p.h, beta);
+  };
+  const int64_t split = std::clamp(L.dh_in, r0, r0 + rn);
+  if (Status s = rows(r0, split, static_cast<float*>(a.dhidden), 0)) return s;
+  return rows(split, r0 + rn, reinterpret_cast<float*>(base + L.off_dh), L.dh_in);
 }
 
 // A 16-bit dhidden from the fp32 accumulator (dhidden's own bytes: rows [0, dh_in); the
@@ -434,46 +447,39 @@ Status backward_lean(const Problem& p, const BwdArgs& a, Workspace ws, cudaStrea
   const LeanLayout L = lean_layout(p, lean_fused(p) && tma_ok, a.dhidden_dtype);
   if (L.total > ws.bytes) return "rlk cuda: lean backward workspace too small";
   void* cublas_ws = ws.ptr;
-  unsigned char* base = reinterpret_cast<unsigned char*>(
-      (reinterpret_cast<uintptr_t>(ws.ptr) + blas::kWorkspaceAlloc + 255) & ~uintptr_t(255));
+  unsigned char* base = align256(static_cast<unsigned char*>(ws.ptr) + blas::kWorkspaceAlloc);
   float* dwacc = reinterpret_cast<float*>(base + L.off_dwacc);
   const size_t eb = dtype_bytes(p.dtype);
   const unsigned char* hid = static_cast<const unsigned char*>(a.hidden);
   const unsigned char* wgt = static_cast<const unsigned char*>(a.weight);
   unsigned char* dw = static_cast<unsigned char*>(a.dweight);
   const int64_t npass = (p.n + L.R - 1) / L.R;
-  for (int64_t c = 0; c < p.v;) {
-    const LeanPiece pc = lean_next_piece(p, L, c);
+  Status s = for_each_lean_piece(p, L, [&](const LeanPiece& pc) -> Status {
     LeanTile t{reinterpret_cast<float*>(base + L.off_z), base + L.off_dlog, reinterpret_cast<float*>(base + L.off_dzz)};
     if (pc.borrowed) {
-      unsigned char* b = reinterpret_cast<unsigned char*>(
-          (reinterpret_cast<uintptr_t>(dw + (pc.c + pc.w) * p.h * eb) + 255) & ~uintptr_t(255));
+      unsigned char* b = align256(dw + (pc.c + pc.w) * p.h * eb);
       if (!L.fused) { t.z = reinterpret_cast<float*>(b); b += size_t(L.R) * pc.w * 4; }
       t.dlog = b;
     }
     const blas::Mat Wp{wgt + pc.c * p.h * eb, p.dtype, pc.cols, p.h, p.h};
+    unsigned char* dwp = dw + pc.c * p.h * eb;
     for (int64_t pass = 0; pass < npass; ++pass) {
       const int64_t r0 = pass * L.R, rn = p.n - r0 < L.R ? p.n - r0 : L.R;
-      if (Status s = lean_tile<T>(p, a, L, pc, t, cublas_ws, r0, rn, pass == 0, st)) return s;
+      if (Status e = lean_tile<T>(p, a, L, pc, t, cublas_ws, r0, rn, pass == 0, st)) return e;
       const blas::Mat Hp{hid + r0 * p.h * eb, p.dtype, rn, p.h, p.h};
       const blas::Mat D{t.dlog, p.dtype, rn, pc.cols, pc.w};
       // dH[pass] (+)= dlogit W[piece], accumulated over pieces in fp32
-      if (Status s = dh_accumulate(p, a, L, base, cublas_ws, D, Wp, r0, rn, pc.c > 0 ? 1.f : 0.f, st)) return s;
+      if (Status e = dh_accumulate(p, a, L, base, cublas_ws, D, Wp, r0, rn, pc.c > 0 ? 1.f : 0.f, st)) return e;
       // dW[piece] (+)= dlogit^T H[pass]: straight to dtype with one pass, else through fp32
-      unsigned char* dwp = dw + pc.c * p.h * eb;
-      if (npass == 1) {
-        if (Status s = blas::gemm(st, cublas_ws, D, true, Hp, false, dwp, p.dtype, p.h, 0.f)) return s;
-        continue;
-      }
-      if (Status s = blas::gemm(st, cublas_ws, D, true, Hp, false, dwacc, DType::kF32, p.h, pass > 0 ? 1.f : 0.f))
-        return s;
-      if (pass == npass - 1) {
-        to_dtype_kernel<T><<<blocks_of(pc.cols * p.h, 256), 256, 0, st>>>(dwacc, reinterpret_cast<T*>(dwp), pc.cols * p.h);
-        RLK_CHECK_LAUNCH("rlk cuda: dW conversion launch failed");
-      }
+      if (npass == 1) return blas::gemm(st, cublas_ws, D, true, Hp, false, dwp, p.dtype, p.h, 0.f);
+      if (Status e = blas::gemm(st, cublas_ws, D, true, Hp, false, dwacc, DType::kF32, p.h, pass > 0 ? 1.f : 0.f))
+        return e;
     }
-    c += pc.cols;
-  }
+    to_dtype_kernel<T><<<blocks_of(pc.cols * p.h, 256), 256, 0, st>>>(dwacc, reinterpret_cast<T*>(dwp), pc.cols * p.h);
+    RLK_CHECK_LAUNCH("rlk cuda: dW conversion launch failed");
+    return nullptr;
+  });
+  if (s) return s;
   return a.dhidden_dtype == DType::kF32 ? nullptr : finish_dhidden<T>(p, a, L, base, st);
 }
 
@@ -493,11 +499,10 @@ Status backward_t(const Problem& p, const BwdArgs& a, Workspace ws, cudaStream_t
 LeanPlan lean_plan(const Problem& p, bool fused, DType dhidden_dtype) {
   const LeanLayout L = lean_layout(p, fused, dhidden_dtype);
   LeanPlan plan{L.total, size_t(L.R) * lean_per_row(p, fused, L.P), L.R, {}};
-  for (int64_t c = 0; c < p.v;) {
-    const LeanPiece pc = lean_next_piece(p, L, c);
+  for_each_lean_piece(p, L, [&](const LeanPiece& pc) -> Status {
     plan.pieces.push_back({pc.c, pc.cols, pc.w, pc.borrowed, size_t(L.R) * lean_per_row(p, fused, pc.w)});
-    c += pc.cols;
-  }
+    return nullptr;
+  });
   return plan;
 }
 
@@ -508,7 +513,7 @@ size_t backward_workspace_bytes(const Problem& p, bool fast, DType dhidden_dtype
 
 Status backward(const Problem& p, const BwdArgs& a, Workspace ws, cudaStream_t stream) {
   if (Status s = detail::check_shape(p)) return s;
-  if (a.dhidden_dtype != DType::kF32 && a.dhidden_dtype != p.dtype) return "rlk cuda: dhidden is f32 or the operand dtype";
+  if (Status s = check_dhidden_dtype(p, a.dhidden_dtype)) return s;
   const size_t need = backward_workspace_bytes(p, a.logits != nullptr, a.dhidden_dtype);
   if (ws.bytes < need || (need && !ws.ptr)) return "rlk cuda: backward workspace too small";
   switch (p.dtype) {

@@ -417,7 +417,7 @@ static void bench_shape(const char* name, int64_t n, int64_t h, int64_t v, int r
   for (int64_t i = 0; i < n; ++i) tg[i] = int32_t((i * 2654435761ULL) % v);
   CK(cudaMemcpy(T.p, tg.data(), n * 4, cudaMemcpyHostToDevice));
   DevBuf stats(size_t(n) * K * 12), tl(n * 4), logp(n * 4), lse(n * 4), ent(n * 4), fws(cuda::forward_workspace_bytes(p));
-  DevBuf dh(size_t(n) * h * 4), dw(size_t(v) * h * 2), dzz(n * 4);
+  DevBuf dh(size_t(n) * h * 2), dw(size_t(v) * h * 2), dzz(n * 4);
   DevBuf lean_ws(cuda::backward_workspace_bytes(p, false, p.dtype)), fast_ws(cuda::backward_workspace_bytes(p, true, p.dtype));
   DevBuf kept(size_t(n) * v * 2);
   FwdArgs fa; fa.hidden = H.p; fa.weight = W.p; fa.targets = T.as<int32_t>(); fa.temperature = IT.as<float>();

@@ -210,9 +210,8 @@ ffi::Error backward(Exec& ex, ffi::AnyBuffer hidden, ffi::AnyBuffer weight, ffi:
     return err;
   const View vl = view(lse, 1), ve = view(entropy, 1), vg = view(g, 1), vee = view(e, 1);
   const View dh = view(*dhidden, 2), dw = view(*dweight, 2), db = view(*dbias, 1), dt = view(*dtemp, 1);
-  DType dh_dtype;
-  if (!to_dtype(dhidden->element_type(), &dh_dtype) || (dh_dtype != DType::kF32 && dh_dtype != p.dtype))
-    return invalid("dhidden must be float32 or the dtype of hidden");
+  DType dh_dtype;  // which of f32 and the operand dtype: the backend checks
+  if (!to_dtype(dhidden->element_type(), &dh_dtype)) return invalid("dhidden must be float32 or the dtype of hidden");
   const Batch batch(dh.lead);
   for (const View* v : std::initializer_list<const View*>{&in.hidden, &in.weight, &in.bias, &in.targets, &in.temperature, &vl, &ve, &vg, &vee})
     if (!batch.fits(*v)) return invalid("unsupported batching of the operands");

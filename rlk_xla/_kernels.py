@@ -98,8 +98,8 @@ def combine(stats, target_logit, targets, *, real_vocab: int, ignore_index: int)
     return _on_platform((_sds((n,), F32, args),) * 3, None, "rlk_combine", args, attrs)
 
 
-def backward(hidden, weight, bias, targets, temperature, lse, entropy, g, e, cfg: KernelConfig, logits=None,
-             dhidden_f32: bool = True):
+def backward(hidden, weight, bias, targets, temperature, lse, entropy, g, e, cfg: KernelConfig, *, logits,
+             dhidden_f32: bool):
     """-> dhidden [n, h], dweight [v, h], dbias [v] f32, dtemperature [n] f32 (dhidden and
     dtemperature: this shard's part). dhidden is f32 with dhidden_f32 (a vocab shard's partial, to be
     summed over shards), else in hidden's dtype, rounded once from the f32 sum (the whole vocab: no

@@ -199,6 +199,11 @@ struct BwdArgs {
 // A status the frontends turn into an exception: nullptr on success, else a static message.
 using Status = const char*;
 
+// What every backend's backward checks of BwdArgs::dhidden_dtype.
+inline Status check_dhidden_dtype(const Problem& p, DType t) {
+  return t == DType::kF32 || t == p.dtype ? nullptr : "rlk backward: dhidden must be float32 or the operand dtype";
+}
+
 // Which backends exist and count their calls/tokens (incremented by the handlers that run them).
 // The CUDA forward runs on kCudaSm90 or kCudaPortable; the CUDA backward on kCudaBlas (its GEMMs
 // are cuBLAS's, see cuda/linear_logp_bwd.cu).
