@@ -18,11 +18,13 @@ Results go to OUT/benchmarks.json after every shape, with the table and plots of
     python benchmarks/bench_gpu.py --out docs
     python benchmarks/bench_gpu.py --shapes T3,L16k --paths rlk_xla_fast,rlk_xla_lean,liger --out $OUT
     python benchmarks/bench_gpu.py --skip-accuracy     # no float64 gradients (faster)
+    python benchmarks/bench_gpu.py --repeat 3          # this project's paths timed 3 times in turn: medians
 
 Times: torch paths with triton.testing.do_bench (median, CUDA events); JAX paths with wall time
 per call as the difference between k and 2k calls issued back to back, each ending in one
 block_until_ready (median of 10; rlk_xla.cli.time_ms), so that neither frontend's host latency
-counts (../shared/anchors timed single JAX calls).
+counts (../shared/anchors timed single JAX calls). Python's garbage collector is paused while
+timing (no_gc).
 Memory: torch: the peak allocated during one fwd+bwd step beyond what was live before it (the inputs, and the previous step's
 gradients, which the step frees before making its own); JAX: XLA's compiled temp bytes of the
 jitted fwd+bwd (arguments and outputs excluded).
@@ -30,7 +32,10 @@ jitted fwd+bwd (arguments and outputs excluded).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import gc
+import statistics
 import datetime
 import importlib.metadata
 import json
@@ -43,6 +48,7 @@ import torch  # noqa: E402
 from triton.testing import do_bench  # noqa: E402
 
 import plot_report  # noqa: E402  (benchmarks/, next to this script)
+from plot_report import is_ours  # noqa: E402
 
 PATHS = ("rlk_xla_fast", "rlk_xla_lean", "torch_bridge_fast", "torch_bridge_lean",
          "jax_ref", "jax_chunked", "tokamax", "torch_native", "liger", "cce")
@@ -274,16 +280,32 @@ def make_case(n, hd, v, accuracy):
     return case
 
 
+@contextlib.contextmanager
+def no_gc():
+    """Python's garbage collector paused, as timeit does: this process holds every peer's modules
+    and compiled functions, so a collection that a call happens to trigger costs far more here than
+    in a training loop, and lands on whichever path is being timed."""
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
 def measure(frontend, fwd, train, case, fwd_cache):
-    """One path's numbers. A failing stage is recorded under "error" and ends the path; what was
-    measured before it stays."""
+    """One path's numbers (timed with the garbage collector paused). A failing stage is recorded
+    under "error" and ends the path; what was measured before it stays."""
     r = dict(frontend=frontend.name)
     try:
         if fwd not in fwd_cache:
-            ms, logp = frontend.forward(fwd, case.h, case.w, case.t)
+            with no_gc():
+                ms, logp = frontend.forward(fwd, case.h, case.w, case.t)
             fwd_cache[fwd] = dict(fwd_ms=ms, logp_rel=rel_err(logp[case.sample], case.logp_ref))
         r.update(fwd_cache[fwd])
-        r["fb_ms"], r["fb_mem_mb"], r["fb_reserved_mb"] = frontend.fwd_bwd(train, case.h, case.w, case.t, case.g)
+        with no_gc():
+            r["fb_ms"], r["fb_mem_mb"], r["fb_reserved_mb"] = frontend.fwd_bwd(train, case.h, case.w, case.t,
+                                                                               case.g)
         if case.grad_ref is not None:
             dh, dw = frontend.grads(train, *case.grad_inputs)
             r.update(dh_rel=rel_err(dh, case.grad_ref[0]), dw_rel=rel_err(dw, case.grad_ref[1]))
@@ -292,19 +314,44 @@ def measure(frontend, fwd, train, case, fwd_cache):
     return r
 
 
-def bench_shape(name, paths, accuracy, progress):
+def retime(frontend, fwd, train, case, fwd_cache):
+    """One more (fwd ms, fwd+bwd ms) of a path, the forward shared as in measure."""
+    with no_gc():
+        if fwd not in fwd_cache:
+            fwd_cache[fwd] = frontend.forward(fwd, case.h, case.w, case.t)[0]
+        return fwd_cache[fwd], frontend.fwd_bwd(train, case.h, case.w, case.t, case.g)[0]
+
+
+def bench_shape(name, paths, accuracy, progress, repeat=1):
+    """One shape: every path once; with repeat > 1 this project's paths are timed repeat - 1 more
+    times, in turn (so that a slow spell of the machine spreads over all of them), and their times
+    are the medians, with the ranges kept."""
     n, hd, v = SHAPES[name]
     case = make_case(n, hd, v, accuracy)
     with torch.no_grad():
         gemm_ms = do_bench(lambda: case.h @ case.w.t(), warmup=50, rep=300, return_mode="median")
     results, fwd_cache = {}, {}
     for label, (frontend, fwd, train) in paths.items():
-        r = results[label] = measure(frontend, fwd, train, case, fwd_cache)
-        for k in ("fwd", "fb"):
-            if k + "_ms" in r:
-                r[k + "_x_gemm"] = r[k + "_ms"] / gemm_ms
+        results[label] = measure(frontend, fwd, train, case, fwd_cache)
         torch.cuda.empty_cache()
         progress.advance(f"{name} {label}")
+    ours = [k for k in paths if is_ours(k) and "error" not in results[k]]
+    for k in ours:
+        results[k]["fwd_ms_all"], results[k]["fb_ms_all"] = [results[k]["fwd_ms"]], [results[k]["fb_ms"]]
+    for _ in range(repeat - 1):
+        fwd_cache = {}
+        for k in ours:
+            fwd_ms, fb_ms = retime(*paths[k], case, fwd_cache)
+            results[k]["fwd_ms_all"].append(fwd_ms)
+            results[k]["fb_ms_all"].append(fb_ms)
+            torch.cuda.empty_cache()
+            progress.advance(f"{name} {k} again")
+    for r in results.values():
+        for key in ("fwd", "fb"):
+            if key + "_ms_all" in r:
+                r[key + "_ms"] = float(statistics.median(r[key + "_ms_all"]))
+            if key + "_ms" in r:
+                r[key + "_x_gemm"] = r[key + "_ms"] / gemm_ms
     rlk_rows = [results[k] for k in results if k.startswith("rlk_xla")]
     if rlk_rows:
         try:
@@ -365,6 +412,8 @@ def parse_args():
     ap.add_argument("--shapes", default=",".join(SHAPES), help="comma list of " + ",".join(SHAPES))
     ap.add_argument("--paths", default=",".join(PATHS), help="comma list of " + ",".join(PATHS))
     ap.add_argument("--out", default="docs", help="folder for benchmarks.json, the table and the plots")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="time this project's paths this many times in turn and report medians (and ranges)")
     ap.add_argument("--skip-accuracy", action="store_true", help="skip the float64 dH / dW comparison")
     args = ap.parse_args()
     for arg, known in ((args.shapes, SHAPES), (args.paths, PATHS)):
@@ -380,10 +429,10 @@ def main():
     paths = select_paths(args.paths.split(","))
     shapes = args.shapes.split(",")
     meta = run_meta(not args.skip_accuracy)
-    progress = Progress(len(shapes) * len(paths))
+    progress = Progress(len(shapes) * (len(paths) + (args.repeat - 1) * sum(map(is_ours, paths))))
     rows = []
     for name in shapes:
-        rows.append(bench_shape(name, paths, not args.skip_accuracy, progress))
+        rows.append(bench_shape(name, paths, not args.skip_accuracy, progress, args.repeat))
         torch.cuda.empty_cache()
         data = dict(meta=meta, rows=rows)
         with open(os.path.join(args.out, "benchmarks.json"), "w") as f:

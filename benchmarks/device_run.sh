@@ -7,6 +7,7 @@
 #   bench    benchmarks/bench_gpu.py over every shape of DESIGN.md section 6 (env BENCH_ARGS: more options)
 #   benchpar one bench_gpu.py per GPU at once, GPU k taking the k-th ';'-separated shape list of
 #            BENCH_SPLIT (e.g. "L16k,T1;T3,H200-pub"); results in $OUT/bench.tgz (gpuK/ folders)
+#   trace    benchmarks/trace_torch.py (env TRACE_ARGS): where a torch_bridge step's GPU time goes
 #   tp       benchmarks/tp_gpu.py (JAX, all GPUs) and tp_torch.py (torchrun, NCCL), cross-frontend check
 set -o pipefail
 cd "$(dirname "$0")/.."
@@ -45,6 +46,8 @@ for step in "$@"; do
       wait
       for k in "${!lists[@]}"; do tail -n 40 /tmp/rlk-out/bench$k.log | grep -v "it/s\]" >> "$LOG"; done
       (cd /tmp/rlk-out && tar czf "$OUT/bench.tgz" gpu*/ bench*.log) ;;
+    trace)
+      timeout ${TRACE_TIMEOUT:-300} python3 benchmarks/trace_torch.py ${TRACE_ARGS:-} 2>&1 | grep -v Warning | tee -a "$LOG" ;;
     jaxtest)
       timeout ${TEST_TIMEOUT:-400} python3 -m pytest -q -m gpu tests/test_gpu_jax.py -p no:cacheprovider 2>&1 | tail -n 40 | tee -a "$LOG"
       ;;

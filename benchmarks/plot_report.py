@@ -49,6 +49,13 @@ def _mb(x):
     return _num(x, ",.0f" if x is not None and x >= 10 else ".1f")
 
 
+def _ms(p, key):
+    """A path's median ms, and with repeated timings their range."""
+    runs = p.get(key + "_ms_all", [])
+    spread = f" ({min(runs):.2f}–{max(runs):.2f})" if len(runs) > 1 else ""
+    return _num(p.get(key + "_ms"), ".2f") + spread
+
+
 def shape_table(row):
     """One shape: a heading, the table, and the paths that failed (with what they still measured)."""
     lines = [f"## {row['shape']}: {row['n']} x {row['h']} x {row['v']} "
@@ -62,7 +69,7 @@ def shape_table(row):
         if "error" in p:
             label += " (failed)"
             errors.append(f"- {name}: `{p['error']}`")
-        cells = [label, _num(p.get("fwd_ms"), ".2f"), _num(p.get("fwd_x_gemm"), ".2f"), _num(p.get("fb_ms"), ".2f"),
+        cells = [label, _ms(p, "fwd"), _num(p.get("fwd_x_gemm"), ".2f"), _ms(p, "fb"),
                  _num(p.get("fb_x_gemm"), ".2f"), _mb(p.get("fb_mem_mb")), _mb(p.get("fb_reserved_mb")),
                  _num(p.get("logp_rel"), ".1e"),
                  _num(p.get("dh_rel"), ".1e"), _num(p.get("dw_rel"), ".1e")]
@@ -90,7 +97,9 @@ def header(meta):
         "`jax_chunked` (lax.map + remat), `tokamax`, `torch_native` (materialized logits), `liger` (Liger FLCE), "
         "`cce` (Cut Cross-Entropy, exact). The route of rlk_xla is in brackets.",
         "- **Time:** median ms; x/GEMM is the ratio to the cuBLAS bf16 GEMM of the same shape (torch: "
-        "triton do_bench; JAX: wall time per call over calls issued back to back). Targets: fwd 1.10, fast fwd+bwd 3.4, "
+        "triton do_bench; JAX: wall time per call over calls issued back to back; Python's garbage collector "
+        "paused while timing, as timeit does). With --repeat, this project's paths were timed several times in "
+        "turn: the median, and the range in brackets. Targets: fwd 1.10, fast fwd+bwd 3.4, "
         "lean fwd+bwd 4.5.",
         "- **Peak extra MB (fwd+bwd):** torch: peak allocated during one step beyond its inputs and gradients; "
         "JAX: XLA's temp bytes of the jitted step.",

@@ -79,10 +79,29 @@ template <typename T> __device__ __forceinline__ void store_vec(T* p, const floa
   }
 }
 
-// One block per row. A thread reads its columns before writing them, so dlog may alias z; no
-// __restrict__ on these two.
+// Columns [c0, c0 + kVec) of a row into / out of registers (the row's tail element-wise).
+template <typename T> __device__ __forceinline__ void load_cols(const T* r, int64_t c0, const DlogitParams& q,
+                                                                float* x) {
+  if (q.vec && c0 + kVec <= q.cols) return load_vec(r + c0, x);
+#pragma unroll
+  for (int k = 0; k < kVec; ++k) x[k] = c0 + k < q.cols ? to_f(r[c0 + k]) : 0.f;
+}
+template <typename T> __device__ __forceinline__ void store_cols(T* r, int64_t c0, const DlogitParams& q,
+                                                                 const float* x) {
+  if (q.vec && c0 + kVec <= q.cols) return store_vec(r + c0, x);
+#pragma unroll
+  for (int k = 0; k < kVec; ++k)
+    if (c0 + k < q.cols) r[c0 + k] = from_f<T>(x[k]);
+}
+
+// One block per row; each thread handles kUnroll vectors of kVec columns per step, all loaded
+// before any is stored: the pass is bound by memory bandwidth, which needs several loads in
+// flight per thread (one at a time reached under half of HBM's rate). A thread reads its columns
+// before writing them, so dlog may alias z; no __restrict__ on these two.
 template <typename ZT, typename T>
 __global__ void __launch_bounds__(kRowThreads) dlogit_kernel(DlogitParams q) {
+  constexpr int kUnroll = 4;
+  constexpr int64_t kStride = int64_t(kRowThreads) * kVec;  // columns between a thread's vectors
   __shared__ float red[kRowThreads];
   const int64_t row = blockIdx.x;
   const int64_t t = q.targets[row];
@@ -93,29 +112,26 @@ __global__ void __launch_bounds__(kRowThreads) dlogit_kernel(DlogitParams q) {
   const ZT* zr = static_cast<const ZT*>(q.z) + row * q.ldz;
   T* dr = static_cast<T*>(q.dlog) + row * q.ldd;
   float dzz = 0.f;
-  for (int64_t c0 = int64_t(threadIdx.x) * kVec; c0 < q.cols; c0 += int64_t(kRowThreads) * kVec) {
-    const bool full = q.vec && c0 + kVec <= q.cols;
-    float x[kVec];
-    if (full) load_vec(zr + c0, x);
-    else
+  for (int64_t base = int64_t(threadIdx.x) * kVec; base < q.cols; base += kStride * kUnroll) {
+    float x[kUnroll][kVec];
 #pragma unroll
-      for (int k = 0; k < kVec; ++k) x[k] = c0 + k < q.cols ? to_f(zr[c0 + k]) : 0.f;
+    for (int u = 0; u < kUnroll; ++u) load_cols(zr, base + u * kStride, q, x[u]);
 #pragma unroll
-    for (int k = 0; k < kVec; ++k) {
-      const int64_t col = c0 + k;
-      float z = x[k];
-      if (q.raw) z = (z + (q.bias && col < q.cols ? q.bias[col] : 0.f)) * it;
-      // padding (id past the real vocab, or a -inf logit from a bias mask) gets no gradient
-      const bool live = active && col < q.cols && q.col0 + col < q.real_vocab && z > -INFINITY;
-      const float dz = live ? dz_of(z, q.col0 + col == t, lse, ent, g, e) : 0.f;
-      if (live) dzz = fmaf(dz, z, dzz);
-      x[k] = dz * it;
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t c0 = base + u * kStride;
+#pragma unroll
+      for (int k = 0; k < kVec; ++k) {
+        const int64_t col = c0 + k;
+        float z = x[u][k];
+        if (q.raw) z = (z + (q.bias && col < q.cols ? q.bias[col] : 0.f)) * it;
+        // padding (id past the real vocab, or a -inf logit from a bias mask) gets no gradient
+        const bool live = active && col < q.cols && q.col0 + col < q.real_vocab && z > -INFINITY;
+        const float dz = live ? dz_of(z, q.col0 + col == t, lse, ent, g, e) : 0.f;
+        if (live) dzz = fmaf(dz, z, dzz);
+        x[u][k] = dz * it;
+      }
+      store_cols(dr, c0, q, x[u]);
     }
-    if (full) store_vec(dr + c0, x);
-    else
-#pragma unroll
-      for (int k = 0; k < kVec; ++k)
-        if (c0 + k < q.cols) dr[c0 + k] = from_f<T>(x[k]);
   }
   if (!q.dtemp) return;
   red[threadIdx.x] = dzz;  // fixed-shape tree: the same order for every row and every run

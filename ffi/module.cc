@@ -150,28 +150,10 @@ void* kept_of(const std::optional<Array>& logits, const Call& c) {
   return logits->data();
 }
 
-void dl_forward(Array hidden, Array weight, std::optional<Array> bias, Array targets, Array temperature, Array stats,
-                Array target_logit, std::optional<Array> logits, std::optional<Array> workspace, int64_t vocab_start,
-                int64_t real_vocab, int64_t chunk, int64_t ignore_index, bool with_entropy, uintptr_t stream) {
-  const Call c = make_call(hidden, weight, bias, targets, temperature, vocab_start, real_vocab, chunk, ignore_index,
-                           with_entropy);
-  expect(stats, nb::dtype<float>(), {c.p.n, rlk::num_chunks(c.p), rlk::kStatWidth}, c.device, "stats");
-  expect(target_logit, nb::dtype<float>(), {c.p.n}, c.device, "target_logit");
-  rlk::FwdArgs a;
-  a.hidden = hidden.data();
-  a.weight = weight.data();
-  a.bias = bias ? static_cast<const float*>(bias->data()) : nullptr;
-  a.targets = static_cast<const int32_t*>(targets.data());
-  a.temperature = static_cast<const float*>(temperature.data());
-  a.stats = static_cast<float*>(stats.data());
-  a.target_logit = static_cast<float*>(target_logit.data());
-  a.logits = kept_of(logits, c);
-  run_on(c.device, workspace, stream, [&](auto& ex) { return ex.forward(c.p, a); });
-}
-
-void dl_combine(Array stats, Array target_logit, Array targets, Array logp, Array lse, Array entropy,
-                int64_t real_vocab, int64_t ignore_index, uintptr_t stream) {
-  const int device = stats.device_type();
+// The combine of `stats` [n, k, kStatWidth] into logp, lse and entropy [n] (all f32 on `device`).
+rlk::CombineArgs combine_args(const Array& stats, const Array& target_logit, const Array& targets, const Array& logp,
+                              const Array& lse, const Array& entropy, int64_t real_vocab, int64_t ignore_index,
+                              int device) {
   if (stats.ndim() != 3 || stats.shape(2) != size_t(rlk::kStatWidth))
     throw std::invalid_argument("rlk: stats must be [n, chunks, 3]");
   rlk::CombineArgs a;
@@ -189,7 +171,48 @@ void dl_combine(Array stats, Array target_logit, Array targets, Array logp, Arra
   a.logp = static_cast<float*>(logp.data());
   a.lse = static_cast<float*>(lse.data());
   a.entropy = static_cast<float*>(entropy.data());
-  run_on(device, std::nullopt, stream, [&](auto& ex) { return ex.combine(a); });
+  return a;
+}
+
+// The forward statistics and, when logp, lse and entropy are given (a call over the whole vocab),
+// their combine in the same call: one entry point per single-shard forward keeps the host's share
+// of a small call low.
+void dl_forward(Array hidden, Array weight, std::optional<Array> bias, Array targets, Array temperature, Array stats,
+                Array target_logit, std::optional<Array> logits, std::optional<Array> workspace, int64_t vocab_start,
+                int64_t real_vocab, int64_t chunk, int64_t ignore_index, bool with_entropy, uintptr_t stream,
+                std::optional<Array> logp, std::optional<Array> lse, std::optional<Array> entropy) {
+  const Call c = make_call(hidden, weight, bias, targets, temperature, vocab_start, real_vocab, chunk, ignore_index,
+                           with_entropy);
+  expect(stats, nb::dtype<float>(), {c.p.n, rlk::num_chunks(c.p), rlk::kStatWidth}, c.device, "stats");
+  expect(target_logit, nb::dtype<float>(), {c.p.n}, c.device, "target_logit");
+  const bool combine = logp.has_value();
+  if (combine != lse.has_value() || combine != entropy.has_value())
+    throw std::invalid_argument("rlk: logp, lse and entropy come together");
+  if (combine && (vocab_start != 0 || c.p.v < real_vocab))
+    throw std::invalid_argument("rlk: the forward combines only a call over the whole vocab");
+  rlk::FwdArgs a;
+  a.hidden = hidden.data();
+  a.weight = weight.data();
+  a.bias = bias ? static_cast<const float*>(bias->data()) : nullptr;
+  a.targets = static_cast<const int32_t*>(targets.data());
+  a.temperature = static_cast<const float*>(temperature.data());
+  a.stats = static_cast<float*>(stats.data());
+  a.target_logit = static_cast<float*>(target_logit.data());
+  a.logits = kept_of(logits, c);
+  const rlk::CombineArgs ca =
+      combine ? combine_args(stats, target_logit, targets, *logp, *lse, *entropy, real_vocab, ignore_index, c.device)
+              : rlk::CombineArgs{};
+  run_on(c.device, workspace, stream, [&](auto& ex) {
+    if (rlk::Status s = ex.forward(c.p, a)) return s;
+    return combine ? ex.combine(ca) : rlk::Status{};
+  });
+}
+
+void dl_combine(Array stats, Array target_logit, Array targets, Array logp, Array lse, Array entropy,
+                int64_t real_vocab, int64_t ignore_index, uintptr_t stream) {
+  const rlk::CombineArgs a =
+      combine_args(stats, target_logit, targets, logp, lse, entropy, real_vocab, ignore_index, stats.device_type());
+  run_on(stats.device_type(), std::nullopt, stream, [&](auto& ex) { return ex.combine(a); });
 }
 
 void dl_backward(Array hidden, Array weight, std::optional<Array> bias, Array targets, Array temperature, Array lse,
@@ -321,9 +344,11 @@ NB_MODULE(_rlk_core, m) {
         nb::arg("stats").noconvert(), nb::arg("target_logit").noconvert(), nb::arg("logits").noconvert().none(),
         nb::arg("workspace").noconvert().none(),
         nb::arg("vocab_start"), nb::arg("real_vocab"), nb::arg("chunk"), nb::arg("ignore_index"),
-        nb::arg("with_entropy"), nb::arg("stream"),
+        nb::arg("with_entropy"), nb::arg("stream"), nb::arg("logp").noconvert().none() = nb::none(),
+        nb::arg("lse").noconvert().none() = nb::none(), nb::arg("entropy").noconvert().none() = nb::none(),
         "Forward statistics into caller-allocated stats [n, v/chunk, 3] and target_logit [n], and the kept\n"
-        "logits [n, v] (float16; float32 for float32 operands) when `logits` is given (DLPack).");
+        "logits [n, v] (float16; float32 for float32 operands) when `logits` is given (DLPack). With logp,\n"
+        "lse and entropy [n] f32 (a call over the whole vocab) also their combine, as `combine` would.");
   m.def("combine", &dl_combine, nb::arg("stats").noconvert(), nb::arg("target_logit").noconvert(),
         nb::arg("targets").noconvert(), nb::arg("logp").noconvert(), nb::arg("lse").noconvert(),
         nb::arg("entropy").noconvert(), nb::arg("real_vocab"), nb::arg("ignore_index"), nb::arg("stream"),

@@ -253,6 +253,27 @@ def _op_samples():
     )
 
 
+def test_linear_logp_op_is_forward_stats_then_combine_bitwise():
+    """rlk::linear_logp makes one C++ call (statistics and their combine together): the same bits as
+    rlk::forward_stats followed by rlk::combine, with and without entropy; and the combine outputs
+    of core.forward are checked (all three or none, whole vocab only)."""
+    from torch_bridge._core import core
+    d, kw, g, e = make_inputs(7, 13, 24, 300, "float32", bias=True, temp="array", ignore_frac=0.2)
+    h, w, b, t, T = d["hidden"], d["weight"], kw["bias"], d["targets"].to(torch.int32), kw["temperature"]
+    for with_entropy in (True, False):
+        stats, tl, _ = torch.ops.rlk.forward_stats(h, w, b, t, T, 0, 290, 75, -100, with_entropy, False)
+        want = torch.ops.rlk.combine(stats, tl, t, 290, -100)
+        logp, ent, lse, _ = torch.ops.rlk.linear_logp(h, w, b, t, T, 290, 75, -100, with_entropy, False)
+        assert torch.equal(logp, want[0]) and torch.equal(lse, want[1])
+        assert torch.equal(ent, want[2] if with_entropy else torch.zeros_like(ent))
+    out = [torch.empty(7) for _ in range(3)]
+    args = (h, w, b, t, T, stats, tl, None, None)
+    with pytest.raises(ValueError, match="come together"):
+        core.forward(*args, 0, 290, 75, -100, False, 0, out[0], out[1], None)
+    with pytest.raises(ValueError, match="whole vocab"):
+        core.forward(*args, 300, 590, 75, -100, False, 0, *out)
+
+
 @pytest.mark.parametrize("name", ["forward_stats", "combine", "linear_logp_backward", "linear_logp"])
 def test_opcheck(name):
     op = getattr(torch.ops.rlk, name)

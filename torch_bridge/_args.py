@@ -128,9 +128,24 @@ def parse(hidden, weight, targets, *, bias, temperature, ignore_index, vocab_sta
     real = common.real_vocab(real_vocab_size, v_global)
 
     return Args(hidden=hidden.reshape(n, hs[-1]), weight=weight, bias=bias,
-                targets=targets.reshape(n).to(torch.int32), temperature=temp, temperature_is_array=temp_is_array,
+                targets=int32_targets(targets.reshape(n), ignore_index), temperature=temp, temperature_is_array=temp_is_array,
                 ignore_index=int(ignore_index), vocab_start=int(vocab_start), real_vocab=int(real),
                 v_global=int(v_global), tp=int(tp), rank=int(rank), tp_group=tp_group, out_shape=ts)
+
+
+def int32_targets(t: torch.Tensor, ignore_index: int) -> torch.Tensor:
+    """int32 ids for the kernels. int64 ids beyond int32 become invalid ids (a NaN row), never
+    wrapped ids, nor ignore_index: clamped to int32's ends (one kernel), or, when an end is
+    ignore_index, replaced by another invalid id."""
+    if t.dtype == torch.int32:
+        return t
+    if t.dtype == torch.int64:
+        lo, hi = -(2 ** 31), 2 ** 31 - 1
+        if lo < ignore_index < hi:
+            t = t.clamp(lo, hi)
+        else:
+            t = torch.where((t < lo) | (t > hi), torch.full_like(t, -1 if ignore_index != -1 else -2), t)
+    return t.to(torch.int32)
 
 
 def validate_targets(targets, vocab_size: int, ignore_index: int = -100) -> None:

@@ -96,7 +96,9 @@ def _temp(temperature: Tensor) -> Tensor:
 # ---- rlk::forward_stats ---------------------------------------------------------------------------
 
 def _forward_stats(hidden, weight, bias, targets, temperature, vocab_start, real_vocab, chunk, ignore_index,
-                   with_entropy, keep_logits):
+                   with_entropy, keep_logits, combine_into=()):
+    """(stats, target_logit, kept logits); with combine_into = (logp, lse, entropy) (a call over the
+    whole vocab) the same C++ call also combines the statistics into them."""
     n, v = hidden.shape[0], weight.shape[0]
     if chunk <= 0 or v % chunk:
         raise ValueError(f"chunk {chunk} must divide the local vocab {v}")
@@ -109,7 +111,8 @@ def _forward_stats(hidden, weight, bias, targets, temperature, vocab_start, real
         core.forward(_c(hidden), _c(weight), _c(bias), _c(targets), _temp(temperature), stats, tl,
                      logits if keep_logits else None,
                      _workspace(hidden, v, chunk, bias is not None, with_entropy, FORWARD), int(vocab_start),
-                     int(real_vocab), int(chunk), int(ignore_index), bool(with_entropy), _stream(hidden))
+                     int(real_vocab), int(chunk), int(ignore_index), bool(with_entropy), _stream(hidden),
+                     *combine_into)
     return stats, tl, logits
 
 
@@ -213,11 +216,11 @@ def linear_logp(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], targets:
     """(logp, entropy, lse, logits): [n] f32 each, entropy zeros unless with_entropy, and the kept
     logits [n, v] for the fast backward ([0] unless keep_logits). No autograd of its own: see
     LinearLogp."""
-    stats, tl, logits = _forward_stats(hidden, weight, bias, targets, temperature, 0, real_vocab, chunk,
-                                       ignore_index, with_entropy, keep_logits)
-    logp, lse, ent = _combine(stats, tl, targets, real_vocab, ignore_index)
+    logp, lse, ent = (torch.empty((hidden.shape[0],), dtype=F32, device=hidden.device) for _ in range(3))
+    _, _, logits = _forward_stats(hidden, weight, bias, targets, temperature, 0, real_vocab, chunk, ignore_index,
+                                  with_entropy, keep_logits, combine_into=(logp, lse, ent))
     if not with_entropy:
-        ent = torch.zeros_like(logp)
+        ent.zero_()
     return logp, ent, lse, logits
 
 

@@ -21,7 +21,6 @@ from . import reference, routes
 from ._args import Args, parse, resolve_backward, unsupported, validate_targets as _validate_targets
 
 F32 = torch.float32
-_I32_MIN, _I32_MAX = -(2 ** 31), 2 ** 31 - 1
 
 
 def linear_logp(hidden, weight, targets, *, bias=None, temperature=1.0, ignore_index=-100, return_entropy=False,
@@ -57,7 +56,6 @@ def linear_logp(hidden, weight, targets, *, bias=None, temperature=1.0, ignore_i
     eager = not torch.compiler.is_compiling()
     if validate_targets and eager and not _capturing(a.hidden):
         _validate_targets(targets, a.real_vocab, a.ignore_index)
-    a.targets = _int32_targets(targets.reshape(-1), a.ignore_index)
     n = a.n
     reason = unsupported(a.hidden)
     if n == 0 or mode == "off":
@@ -91,17 +89,6 @@ def _needs_grad(a: Args) -> bool:
 
 def _capturing(t: torch.Tensor) -> bool:
     return t.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-
-
-def _int32_targets(t: torch.Tensor, ignore_index: int) -> torch.Tensor:
-    """int32 ids for the kernels; int64 ids beyond int32 become an invalid id (NaN row), never wrap
-    (nor land on ignore_index, whichever value it has)."""
-    if t.dtype == torch.int32:
-        return t
-    if t.dtype == torch.int64:
-        invalid = -1 if ignore_index != -1 else -2
-        t = torch.where((t < _I32_MIN) | (t > _I32_MAX), torch.full_like(t, invalid), t)
-    return t.to(torch.int32)
 
 
 def fused_rows(a: Args, with_entropy: bool, reduce_grad_hidden: bool = True, keep_logits: bool = False):

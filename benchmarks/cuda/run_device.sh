@@ -1,8 +1,9 @@
 #!/bin/bash
 # Build the CUDA backend + its test on the device machine and run: test, sanitizers, bench.
 #   benchmarks/cuda/run_device.sh [test] [san] [bench] [gemm] [ab]   (any subset; logs under $OUT)
-# ab: this tree's kernels against other builds of the three kernel files: AB_SM90 (another
-#   linear_logp_sm90.cu, e.g. `git show REV:cuda/linear_logp_sm90.cu > ab_sm90.cu` before the run)
+# ab: this tree's kernels against other builds of the three kernel files: AB_DIR (a folder with
+#   other versions of any of linear_logp_sm90.cu, linear_logp_bwd.cu, linear_logp_cuda.cu, e.g.
+#   `mkdir ab && git show REV:cuda/linear_logp_bwd.cu > ab/linear_logp_bwd.cu` before the run)
 #   and/or AB_DEFS (';'-separated variants, e.g. "-DRLK_SPLIT_COLS=512;-DRLK_SPLIT_COLS=256"), benched
 #   over AB_SHAPES (default T1,T2,T3), all binaries interleaved twice: machines differ by more than
 #   most changes, so only a same-machine A/B shows a few percent.
@@ -45,12 +46,13 @@ for step in "$@"; do
     prof) timeout 200 ncu --clock-control none --metrics gpu__time_duration.sum --csv $B/lptest --profile --only ${PROF_SHAPE:-T3} > $OUT/ncu.csv 2>$OUT/ncu.err; tail -3 $OUT/ncu.err
           python3 benchmarks/cuda/ncu_summary.py $OUT/ncu.csv ;;
     ab) IFS=';' read -ra variants <<< "${AB_DEFS:-}"
-        [ -n "${AB_SM90:-}" ] && [ ${#variants[@]} -eq 0 ] && variants=("")
+        [ -n "${AB_DIR:-}" ] && [ ${#variants[@]} -eq 0 ] && variants=("")
+        src() { [ -f "${AB_DIR:-/nonexistent}/$1.cu" ] && echo "$AB_DIR/$1.cu" || echo "cuda/$1.cu"; }
         for k in "${!variants[@]}"; do
           A=/tmp/rlkab$k; mkdir -p $A
-          nvcc $FLAGS ${variants[$k]} -gencode=arch=compute_90a,code=sm_90a -c ${AB_SM90:-cuda/linear_logp_sm90.cu} -o $A/sm90.o &
+          nvcc $FLAGS ${variants[$k]} -gencode=arch=compute_90a,code=sm_90a -c $(src linear_logp_sm90) -o $A/sm90.o &
           for f in linear_logp_bwd linear_logp_cuda; do
-            nvcc $FLAGS ${variants[$k]} -gencode=arch=compute_90,code=sm_90 -c cuda/$f.cu -o $A/$f.o &
+            nvcc $FLAGS ${variants[$k]} -gencode=arch=compute_90,code=sm_90 -c $(src $f) -o $A/$f.o &
           done
         done
         wait

@@ -1,0 +1,20 @@
+"""benchmarks/plot_report.py's table (no GPU, no matplotlib needed): repeated timings show their
+median and range, single timings a plain number."""
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+import plot_report  # noqa: E402
+
+
+def test_table_shows_median_and_range_of_repeated_timings():
+    row = dict(shape="T3", n=6827, h=2048, v=75968, gemm_ms=3.0, gemm_tflops=700.0, paths={
+        "rlk_xla_fast": dict(fwd_ms=3.3, fwd_ms_all=[3.3, 3.25, 3.4], fwd_x_gemm=1.1, fb_ms=10.0,
+                             fb_ms_all=[10.0, 9.9, 10.2], fb_x_gemm=10.0 / 3.0, route="cuda_sm90"),
+        "liger": dict(fwd_ms=4.4, fwd_x_gemm=4.4 / 3.0, fb_ms=20.5, fb_x_gemm=20.5 / 3.0),
+    })
+    lines = plot_report.shape_table(row).splitlines()
+    ours = next(s for s in lines if s.startswith("| **rlk_xla_fast**"))
+    peer = next(s for s in lines if s.startswith("| liger"))
+    assert "| 3.30 (3.25–3.40) | 1.10 | 10.00 (9.90–10.20) | 3.33 |" in ours
+    assert "| 4.40 | 1.47 | 20.50 | 6.83 |" in peer
