@@ -12,7 +12,8 @@
 //       GEMM into an fp32 z tile and dlogit_kernel. dH accumulates over pieces in fp32 (piece
 //       order), dW over passes in an fp32 piece accumulator (pass order; one pass, the common
 //       case, writes dW directly). Work: three GEMMs; all extra memory in a workspace planned
-//       within 256 MiB (lean_layout; the section below says where it can exceed that).
+//       within 256 MiB (lean_layout); where n * h makes dH's fp32 accumulator too large, dH
+//       comes in row sweeps that recompute the rows left (the section below).
 // No atomics: every sum has one order fixed by the shapes, so repeated runs give the same bits.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -221,11 +222,18 @@ Status backward_fast(const Problem& p, const BwdArgs& a, Workspace ws, cudaStrea
 // forward_backend picks it) or made by the "gemm" path (cuBLAS z in fp32, then dlogit_kernel).
 //
 // Memory: all that lean adds to the caller's buffers is its workspace, which lean_layout fits in
-// kLeanBudget: cuBLAS's part, the dH accumulator rows that dhidden cannot hold, the tiles (and the
-// fp32 dW piece accumulator when n takes more than one row pass).
+// kLeanBudget whatever n and v (h up to 32768): cuBLAS's part, the dH accumulator rows that
+// dhidden cannot hold, the tiles (and the fp32 dW piece accumulator when n takes more than one
+// row pass).
 // - dH sums over the pieces in fp32: in dhidden itself when it is fp32; when it is 16-bit, its
 //   bytes hold the fp32 rows [0, n/2) and the workspace the rest, and finish_dhidden rounds them
 //   once at the end. No [n, h] fp32 buffer exists beyond half of one (128 MiB at L16k).
+// - Where that half does not fit (n * h * 2 bytes past about 190 MiB: n > 24k at h = 4096), dH
+//   comes in row sweeps (DhSweep). The first sweep is the whole backward (every piece and row:
+//   dW, db, dT) but accumulates dH only for the rows that fit, and rounds them. Each next sweep
+//   recomputes the dlogit tiles of rows still without dH, for dH alone, in the room the rounded
+//   rows left in dhidden plus the workspace's dH rows: the rows left at least halve per sweep,
+//   and their recompute is the extra work.
 // - The pieces are as wide as possible: each fp32 read-modify-write of the dH accumulator costs
 //   n * h * 8 bytes of traffic, and wider dW GEMMs run closer to peak. dW's rows past the current
 //   piece are not written yet, so a piece's tiles borrow them while they are large enough
@@ -234,17 +242,24 @@ Status backward_fast(const Problem& p, const BwdArgs& a, Workspace ws, cudaStrea
 #define RLK_LEAN_BUDGET_MIB 250  // 256 MiB, less room for the frontends' [n] vectors (A/B: other values)
 #endif
 constexpr size_t kLeanBudget = size_t(RLK_LEAN_BUDGET_MIB) << 20;
+constexpr size_t kLeanLimit = size_t(256) << 20;    // the promise; one sweep wherever it holds
 constexpr size_t kLeanTileMax = size_t(144) << 20;  // larger workspace tiles gain little
 constexpr size_t kLeanTileMin = size_t(32) << 20;   // the floor where n * h takes the budget
 constexpr int64_t kLeanMinPiece = 1024;             // narrower workspace pieces: take more row passes
 constexpr int64_t kLeanMaxPiece = 16384;            // borrowed pieces, one pass (bounds dzz)
 
-struct LeanLayout {
-  bool fused;
+struct LeanTiles {
   int64_t P;      // the workspace tile's piece width
   int64_t P_max;  // the widest piece (sizes dzz; with several passes, the dW accumulator)
   int64_t R;      // rows per pass
-  int64_t dh_in;  // dH rows accumulated (fp32) inside dhidden; rows [dh_in, n) at off_dh
+  size_t dwacc;   // the fp32 dW piece accumulator (several passes), else 0
+};
+
+struct LeanLayout {
+  bool fused;
+  LeanTiles t;
+  int64_t dh_in;  // the first sweep's dH rows accumulated (fp32) inside dhidden
+  int64_t dh_ws;  // dH rows the workspace holds (fp32) in each sweep
   size_t off_dh, off_z, off_dlog, off_dzz, off_dwacc, total;  // from the 256-aligned tile base; total: all of it
 };
 
@@ -260,47 +275,62 @@ size_t lean_per_row(const Problem& p, bool fused, int64_t P) {
   return size_t(P) * (dtype_bytes(p.dtype) + (fused ? 0 : 4));
 }
 
-// Depends on the shapes, the dtypes and the path only.
-LeanLayout lean_layout(const Problem& p, bool fused, DType dh_dtype) {
-  LeanLayout L{};
-  L.fused = fused;
-  L.dh_in = p.n * int64_t(dtype_bytes(dh_dtype)) / 4;
-  const size_t dh_ws = align256(size_t(p.n - L.dh_in) * p.h * 4);
-  const size_t fixed = blas::kWorkspaceAlloc + 256 /*tile base alignment*/ + dh_ws;
-  size_t tiles = kLeanBudget > fixed ? kLeanBudget - fixed : 0;
-  tiles = tiles < kLeanTileMin ? kLeanTileMin : (tiles > kLeanTileMax ? kLeanTileMax : tiles);
+// The tiles in about `tiles` bytes. Depends on the shapes, the dtype and the path only.
+LeanTiles lean_tiles(const Problem& p, bool fused, size_t tiles) {
   auto tile_bytes = [&](int64_t R, int64_t P) {
     return R * int64_t(lean_per_row(p, fused, P)) + (fused ? R * dlogit_splits(P) * 4 : 0);
   };
   const int64_t v256 = ceil_to(p.v, 256);
   // One row pass, the common case: dW goes straight to the dtype.
-  int64_t R = ceil_to(p.n, 128), P = int64_t(tiles) / R / int64_t(lean_per_row(p, fused, 1)) / 256 * 256;
+  const int64_t R = ceil_to(p.n, 128);
+  int64_t P = int64_t(tiles) / R / int64_t(lean_per_row(p, fused, 1)) / 256 * 256;
   P = P < v256 ? P : v256;
   while (P > 0 && tile_bytes(R, P) > int64_t(tiles)) P -= 256;
-  size_t dwacc = 0;
-  if (P >= (kLeanMinPiece < v256 ? kLeanMinPiece : v256)) {
-    L.P_max = P > kLeanMaxPiece ? P : kLeanMaxPiece;
-  } else {
-    // More passes over pieces of at most 8192 columns, through an fp32 dW piece accumulator <= 64 MiB.
-    P = ((int64_t(16) << 20) / p.h) / 256 * 256;
-    P = P < 256 ? 256 : (P > 8192 ? 8192 : P);
-    P = P < v256 ? P : v256;
-    L.P_max = P;
-    dwacc = align256(size_t(P) * p.h * 4);
-    int64_t rmax = (int64_t(tiles) - int64_t(dwacc)) / tile_bytes(1, P) / 128 * 128;
-    rmax = rmax > 128 ? rmax : 128;
-    const int64_t passes = (p.n + rmax - 1) / rmax;
-    R = ceil_to((p.n + passes - 1) / passes, 128);  // equal passes: a fuller last wave
-  }
-  L.P = P;
-  L.R = R;
+  if (P >= std::min(kLeanMinPiece, v256)) return {P, std::max(P, kLeanMaxPiece), R, 0};
+  // More passes over pieces of at most 8192 columns, through an fp32 dW piece accumulator of at
+  // most 64 MiB that leaves the tiles room for 128 rows.
+  P = std::min(std::clamp<int64_t>((int64_t(16) << 20) / p.h / 256 * 256, 256, 8192), v256);
+  auto acc_bytes = [&](int64_t P) { return align256(size_t(P) * p.h * 4); };
+  while (P > 256 && int64_t(acc_bytes(P)) + tile_bytes(128, P) > int64_t(tiles)) P -= 256;
+  const size_t dwacc = acc_bytes(P);
+  int64_t rmax = (int64_t(tiles) - int64_t(dwacc)) / tile_bytes(1, P) / 128 * 128;
+  rmax = rmax > 128 ? rmax : 128;
+  const int64_t passes = (p.n + rmax - 1) / rmax;
+  return {P, P, ceil_to((p.n + passes - 1) / passes, 128), dwacc};  // equal passes: a fuller last wave
+}
+
+// Places the workspace's parts for L.t and L.dh_ws.
+void lean_place(const Problem& p, LeanLayout& L) {
+  const LeanTiles& t = L.t;
   size_t o = 0;
-  L.off_dh = o; o += dh_ws;
-  if (!fused) { L.off_z = o; o += align256(size_t(R) * P * 4); }
-  L.off_dlog = o; o += align256(size_t(R) * P * dtype_bytes(p.dtype));
-  if (fused) { L.off_dzz = o; o += align256(size_t(R) * dlogit_splits(L.P_max) * 4); }
-  L.off_dwacc = o; o += dwacc;
-  L.total = blas::kWorkspaceAlloc + 256 + o;
+  L.off_dh = o; o += align256(size_t(L.dh_ws) * p.h * 4);
+  if (!L.fused) { L.off_z = o; o += align256(size_t(t.R) * t.P * 4); }
+  L.off_dlog = o; o += align256(size_t(t.R) * t.P * dtype_bytes(p.dtype));
+  if (L.fused) { L.off_dzz = o; o += align256(size_t(t.R) * dlogit_splits(t.P_max) * 4); }
+  L.off_dwacc = o; o += t.dwacc;
+  L.total = blas::kWorkspaceAlloc + 256 /*tile base alignment*/ + o;
+}
+
+// Depends on the shapes, the dtypes and the path only.
+LeanLayout lean_layout(const Problem& p, bool fused, DType dh_dtype) {
+  const size_t fixed = blas::kWorkspaceAlloc + 256, row4 = size_t(p.h) * 4;
+  LeanLayout L{};
+  L.fused = fused;
+  L.dh_in = p.n * int64_t(dtype_bytes(dh_dtype)) / 4;
+  // One sweep: the workspace holds every dH row that dhidden cannot, the tiles what is left.
+  L.dh_ws = p.n - L.dh_in;
+  const size_t dh = fixed + align256(size_t(L.dh_ws) * row4);
+  L.t = lean_tiles(p, fused, std::clamp(kLeanBudget > dh ? kLeanBudget - dh : 0, kLeanTileMin, kLeanTileMax));
+  lean_place(p, L);
+  if (L.total <= kLeanLimit) return L;
+  // Row sweeps of dH: the tiles at their floor, the workspace's dH rows in what is left, in whole
+  // 128-row blocks (every sweep's fp32 rows inside dhidden then start 256-byte aligned).
+  L.t = lean_tiles(p, fused, kLeanTileMin);
+  L.dh_ws = 0;
+  lean_place(p, L);
+  L.dh_ws = std::max<int64_t>(128, int64_t((kLeanBudget > L.total ? kLeanBudget - L.total : 0) / row4) / 128 * 128);
+  if (L.dh_in < p.n) L.dh_in = L.dh_in / 128 * 128;  // (an fp32 dhidden holds all its rows itself)
+  lean_place(p, L);
   return L;
 }
 
@@ -313,6 +343,26 @@ size_t lean_workspace_bytes(const Problem& p, DType dh_dtype) {
   return f > g ? f : g;
 }
 
+// A dH sweep: rows [r0, r1), whose fp32 accumulator holds rows [r0, r0 + in) inside dhidden's
+// bytes from row r0's place on, and the others at the workspace's dH rows.
+struct DhSweep {
+  int64_t r0, in, r1;
+};
+
+// f(sweep) in row order; stops at the first error. The first sweep keeps L.dh_in rows inside
+// dhidden; each next one as many as the bytes past the rounded rows hold (whole 128-row blocks).
+template <class F>
+Status for_each_dh_sweep(const Problem& p, const LeanLayout& L, DType dh_dtype, F&& f) {
+  const int64_t eb = int64_t(dtype_bytes(dh_dtype));
+  for (int64_t r0 = 0, in = L.dh_in; r0 < p.n;) {
+    const int64_t r1 = std::min(p.n, r0 + in + L.dh_ws);
+    if (Status s = f(DhSweep{r0, std::min(in, r1 - r0), r1})) return s;
+    r0 = r1;
+    in = eb == 4 ? p.n - r0 : (p.n - r0) * eb / 4 / 128 * 128;
+  }
+  return nullptr;
+}
+
 // A piece: columns [c, c + cols) with tiles of width w (a multiple of 256; cols < w only at the
 // end of the vocab), either borrowed from dW's rows past the piece or in the workspace.
 struct LeanPiece {
@@ -320,26 +370,29 @@ struct LeanPiece {
   bool borrowed;
 };
 
-// The piece from column c. Depends on the shapes only, so every run cuts the vocab alike.
-LeanPiece lean_next_piece(const Problem& p, const LeanLayout& L, int64_t c) {
-  const int64_t rest = p.v - c, eb = int64_t(dtype_bytes(p.dtype));
-  const int64_t row_bytes = int64_t(lean_per_row(p, L.fused, 1));
-  // borrowed: L.R rows of tiles + 256 (alignment) <= dW's rows [c + w, v), solved for w (tiles
-  // grow linearly in w)
-  int64_t w = ((rest * p.h * eb - 256) / (L.R * row_bytes + p.h * eb)) / 256 * 256;
-  w = w < L.P_max ? w : L.P_max;
-  if (w > L.P && w < rest) return {c, w, w, true};
+// The piece from column c (`borrow`: while dW is still being written). Depends on the shapes
+// only, so every run cuts the vocab alike.
+LeanPiece lean_next_piece(const Problem& p, const LeanLayout& L, int64_t c, bool borrow) {
+  const int64_t rest = p.v - c, eb = int64_t(dtype_bytes(p.dtype)), R = L.t.R, P = L.t.P;
+  if (borrow) {
+    // borrowed: R rows of tiles + 256 (alignment) <= dW's rows [c + w, v), solved for w (tiles
+    // grow linearly in w)
+    const int64_t row_bytes = int64_t(lean_per_row(p, L.fused, 1));
+    int64_t w = ((rest * p.h * eb - 256) / (R * row_bytes + p.h * eb)) / 256 * 256;
+    w = w < L.t.P_max ? w : L.t.P_max;
+    if (w > P && w < rest) return {c, w, w, true};
+  }
   // the workspace tile: the rest in equal pieces
-  const int64_t pieces = (rest + L.P - 1) / L.P;
-  w = ceil_to((rest + pieces - 1) / pieces, 256);
+  const int64_t pieces = (rest + P - 1) / P;
+  const int64_t w = ceil_to((rest + pieces - 1) / pieces, 256);
   return {c, w, w < rest ? w : rest, false};
 }
 
 // f(piece) for the pieces in vocab order; stops at the first error.
 template <class F>
-Status for_each_lean_piece(const Problem& p, const LeanLayout& L, F&& f) {
+Status for_each_lean_piece(const Problem& p, const LeanLayout& L, bool borrow, F&& f) {
   for (int64_t c = 0; c < p.v;) {
-    const LeanPiece pc = lean_next_piece(p, L, c);
+    const LeanPiece pc = lean_next_piece(p, L, c, borrow);
     if (Status s = f(pc)) return s;
     c += pc.cols;
   }
@@ -366,11 +419,11 @@ struct LeanTile {
   float* dzz;
 };
 
-// The dlogit tile of rows [r0, r0 + rn) x the piece's columns (and this tile's share of dtemp,
-// and of db).
+// The dlogit tile of rows [r0, r0 + rn) x the piece's columns (and, unless dh_only, this tile's
+// share of dtemp and of db).
 template <typename T>
 Status lean_tile(const Problem& p, const BwdArgs& a, const LeanLayout& L, const LeanPiece& pc, const LeanTile& t,
-                 void* ws, int64_t r0, int64_t rn, bool first_pass, cudaStream_t st) {
+                 void* ws, int64_t r0, int64_t rn, bool first_pass, bool dh_only, cudaStream_t st) {
   const size_t eb = dtype_bytes(p.dtype);
   const bool first_piece = pc.c == 0, last_piece = pc.c + pc.cols == p.v;
   if (L.fused) {
@@ -383,7 +436,7 @@ Status lean_tile(const Problem& p, const BwdArgs& a, const LeanLayout& L, const 
     b.bias = p.has_bias ? a.bias + pc.c : nullptr;
     b.targets = a.targets + r0; b.temperature = a.temperature + r0; b.lse = a.lse + r0; b.g = a.g + r0;
     if (p.with_entropy && a.e) { b.entropy = a.entropy + r0; b.e = a.e + r0; }
-    float* dzz = a.dtemp ? t.dzz : nullptr;
+    float* dzz = a.dtemp && !dh_only ? t.dzz : nullptr;
     if (Status s = detail::sm90_dlogit(q, b, rn, t.dlog, pc.w, dzz, st)) return s;
     if (dzz) {
       dzz_rows_kernel<<<blocks_of(rn, 256), 256, 0, st>>>(dzz, rn, dlogit_splits(pc.cols), a.temperature + r0,
@@ -404,19 +457,21 @@ Status lean_tile(const Problem& p, const BwdArgs& a, const LeanLayout& L, const 
     q.cols = pc.cols; q.col0 = p.vocab_start + pc.c;
     q.raw = true;
     q.bias = p.has_bias ? a.bias + pc.c : nullptr;
+    if (dh_only) q.dtemp = nullptr;
     q.dzz_add = !first_piece;
     q.dtemp_last = last_piece;
     if (Status s = launch_dlogit<float, T>(q, rn, st)) return s;
   }
-  if (p.has_bias && a.dbias)
+  if (p.has_bias && a.dbias && !dh_only)
     if (Status s = launch_colsum<T>(t.dlog, pc.w, rn, pc.cols, a.dbias + pc.c, !first_pass, st)) return s;
   return nullptr;
 }
 
-// dH rows [r0, r0 + rn) (+)= D W[piece], D the pass's dlogit rows from r0: rows below L.dh_in
-// accumulate in dhidden's bytes, the others in the workspace (fp32 both).
-Status dh_accumulate(const Problem& p, const BwdArgs& a, const LeanLayout& L, unsigned char* base, void* ws,
-                     const blas::Mat& D, const blas::Mat& Wp, int64_t r0, int64_t rn, float beta, cudaStream_t st) {
+// The sweep's dH rows among [r0, r0 + rn) (+)= their rows of D W[piece], D the pass's dlogit
+// rows from r0, in fp32: rows below sw.r0 + sw.in inside dhidden's bytes, the others in the workspace.
+Status dh_accumulate(const Problem& p, const BwdArgs& a, const LeanLayout& L, const DhSweep& sw, unsigned char* base,
+                     void* ws, const blas::Mat& D, const blas::Mat& Wp, int64_t r0, int64_t rn, float beta,
+                     cudaStream_t st) {
   const size_t eb = dtype_bytes(p.dtype);
   // rows [lo, hi) into the fp32 matrix acc, whose row 0 is row `first`
   auto rows = [&](int64_t lo, int64_t hi, float* acc, int64_t first) -> Status {
@@ -424,36 +479,82 @@ Status dh_accumulate(const Problem& p, const BwdArgs& a, const LeanLayout& L, un
     const blas::Mat Dr{static_cast<const unsigned char*>(D.ptr) + (lo - r0) * D.ld * eb, D.dtype, hi - lo, D.cols, D.ld};
     return blas::gemm(st, ws, Dr, false, Wp, false, acc + (lo - first) * p.h, DType::kF32, p.h, beta);
   };
-  const int64_t split = std::clamp(L.dh_in, r0, r0 + rn);
-  if (Status s = rows(r0, split, static_cast<float*>(a.dhidden), 0)) return s;
-  return rows(split, r0 + rn, reinterpret_cast<float*>(base + L.off_dh), L.dh_in);
+  const int64_t lo = std::max(r0, sw.r0), hi = std::min(r0 + rn, sw.r1), split = std::clamp(sw.r0 + sw.in, lo, hi);
+  float* in_dh = reinterpret_cast<float*>(static_cast<unsigned char*>(a.dhidden) +
+                                          sw.r0 * p.h * dtype_bytes(a.dhidden_dtype));
+  if (Status s = rows(lo, split, in_dh, sw.r0)) return s;
+  return rows(split, hi, reinterpret_cast<float*>(base + L.off_dh), sw.r0 + sw.in);
 }
 
-// A 16-bit dhidden from the fp32 accumulator (dhidden's own bytes: rows [0, dh_in); the
-// workspace: the rest). The rows inside dhidden are rounded in chunks through the workspace tile
-// and copied down (a row's 16-bit place overlaps fp32 rows already read); then the workspace rows
-// go straight to their place, which by then holds nothing still needed.
+// A 16-bit dhidden's rows [sw.r0, sw.r1) from the sweep's fp32 accumulator. The rows inside
+// dhidden are rounded in chunks through the workspace tile and copied down (a row's 16-bit place
+// overlaps fp32 rows already read); then the workspace rows go straight to their place, which by
+// then holds nothing still needed.
 template <typename T>
-Status finish_dhidden(const Problem& p, const BwdArgs& a, const LeanLayout& L, unsigned char* base, cudaStream_t st) {
-  T* out = static_cast<T*>(a.dhidden);
-  const int64_t chunk = L.R * L.P / p.h;  // rows that fit the workspace's dlogit tile
+Status finish_dhidden(const Problem& p, const BwdArgs& a, const LeanLayout& L, const DhSweep& sw, unsigned char* base,
+                      cudaStream_t st) {
+  T* out = static_cast<T*>(a.dhidden) + sw.r0 * p.h;
+  const float* acc = reinterpret_cast<const float*>(out);  // the sweep's fp32 rows start at row r0's place
+  const int64_t chunk = L.t.R * L.t.P / p.h;  // rows that fit the workspace's dlogit tile
   if (chunk < 1) return "rlk cuda: h too large for the lean backward's tile";
   T* tmp = reinterpret_cast<T*>(base + L.off_dlog);
-  for (int64_t r0 = 0; r0 < L.dh_in; r0 += chunk) {
-    const int64_t rows = L.dh_in - r0 < chunk ? L.dh_in - r0 : chunk;
-    to_dtype_kernel<T><<<blocks_of(rows * p.h, 256), 256, 0, st>>>(static_cast<const float*>(a.dhidden) + r0 * p.h,
-                                                                   tmp, rows * p.h);
+  for (int64_t r0 = 0; r0 < sw.in; r0 += chunk) {
+    const int64_t rows = sw.in - r0 < chunk ? sw.in - r0 : chunk;
+    to_dtype_kernel<T><<<blocks_of(rows * p.h, 256), 256, 0, st>>>(acc + r0 * p.h, tmp, rows * p.h);
     RLK_CHECK_LAUNCH("rlk cuda: dH conversion launch failed");
     if (cudaMemcpyAsync(out + r0 * p.h, tmp, size_t(rows) * p.h * sizeof(T), cudaMemcpyDeviceToDevice, st) != cudaSuccess)
       return "rlk cuda: dH copy failed";
   }
-  const int64_t rest = (p.n - L.dh_in) * p.h;
+  const int64_t rest = (sw.r1 - sw.r0 - sw.in) * p.h;
   if (rest > 0) {
     to_dtype_kernel<T><<<blocks_of(rest, 256), 256, 0, st>>>(reinterpret_cast<const float*>(base + L.off_dh),
-                                                             out + L.dh_in * p.h, rest);
+                                                             out + sw.in * p.h, rest);
     RLK_CHECK_LAUNCH("rlk cuda: dH conversion launch failed");
   }
   return nullptr;
+}
+
+// One dH sweep. The first (sw.r0 == 0) is the whole backward: every row, dW, db, dT, and the
+// sweep's dH rows; a later one recomputes the tiles of its own rows for dH alone.
+template <typename T>
+Status lean_sweep(const Problem& p, const BwdArgs& a, const LeanLayout& L, const DhSweep& sw, void* cublas_ws,
+                  unsigned char* base, cudaStream_t st) {
+  const bool full = sw.r0 == 0;
+  const int64_t row0 = full ? 0 : sw.r0, row1 = full ? p.n : sw.r1, R = L.t.R;
+  const int64_t npass = (row1 - row0 + R - 1) / R;
+  const size_t eb = dtype_bytes(p.dtype);
+  const unsigned char* hid = static_cast<const unsigned char*>(a.hidden);
+  const unsigned char* wgt = static_cast<const unsigned char*>(a.weight);
+  unsigned char* dw = static_cast<unsigned char*>(a.dweight);
+  float* dwacc = reinterpret_cast<float*>(base + L.off_dwacc);
+  // dW's rows past a piece are unwritten only during the first sweep: later ones do not borrow
+  return for_each_lean_piece(p, L, full, [&](const LeanPiece& pc) -> Status {
+    LeanTile t{reinterpret_cast<float*>(base + L.off_z), base + L.off_dlog, reinterpret_cast<float*>(base + L.off_dzz)};
+    if (pc.borrowed) {
+      unsigned char* b = align256(dw + (pc.c + pc.w) * p.h * eb);
+      if (!L.fused) { t.z = reinterpret_cast<float*>(b); b += size_t(R) * pc.w * 4; }
+      t.dlog = b;
+    }
+    const blas::Mat Wp{wgt + pc.c * p.h * eb, p.dtype, pc.cols, p.h, p.h};
+    unsigned char* dwp = dw + pc.c * p.h * eb;
+    for (int64_t pass = 0; pass < npass; ++pass) {
+      const int64_t r0 = row0 + pass * R, rn = row1 - r0 < R ? row1 - r0 : R;
+      if (Status e = lean_tile<T>(p, a, L, pc, t, cublas_ws, r0, rn, pass == 0, !full, st)) return e;
+      const blas::Mat Hp{hid + r0 * p.h * eb, p.dtype, rn, p.h, p.h};
+      const blas::Mat D{t.dlog, p.dtype, rn, pc.cols, pc.w};
+      // dH[pass] (+)= dlogit W[piece], accumulated over pieces in fp32
+      if (Status e = dh_accumulate(p, a, L, sw, base, cublas_ws, D, Wp, r0, rn, pc.c > 0 ? 1.f : 0.f, st)) return e;
+      if (!full) continue;
+      // dW[piece] (+)= dlogit^T H[pass]: straight to dtype with one pass, else through fp32
+      if (npass == 1) return blas::gemm(st, cublas_ws, D, true, Hp, false, dwp, p.dtype, p.h, 0.f);
+      if (Status e = blas::gemm(st, cublas_ws, D, true, Hp, false, dwacc, DType::kF32, p.h, pass > 0 ? 1.f : 0.f))
+        return e;
+    }
+    if (!full) return nullptr;
+    to_dtype_kernel<T><<<blocks_of(pc.cols * p.h, 256), 256, 0, st>>>(dwacc, reinterpret_cast<T*>(dwp), pc.cols * p.h);
+    RLK_CHECK_LAUNCH("rlk cuda: dW conversion launch failed");
+    return nullptr;
+  });
 }
 
 template <typename T>
@@ -462,41 +563,11 @@ Status backward_lean(const Problem& p, const BwdArgs& a, Workspace ws, cudaStrea
   const bool tma_ok = ((reinterpret_cast<uintptr_t>(a.hidden) | reinterpret_cast<uintptr_t>(a.weight)) & 15) == 0;
   const LeanLayout L = lean_layout(p, lean_fused(p) && tma_ok, a.dhidden_dtype);
   if (L.total > ws.bytes) return "rlk cuda: lean backward workspace too small";
-  void* cublas_ws = ws.ptr;
   unsigned char* base = align256(static_cast<unsigned char*>(ws.ptr) + blas::kWorkspaceAlloc);
-  float* dwacc = reinterpret_cast<float*>(base + L.off_dwacc);
-  const size_t eb = dtype_bytes(p.dtype);
-  const unsigned char* hid = static_cast<const unsigned char*>(a.hidden);
-  const unsigned char* wgt = static_cast<const unsigned char*>(a.weight);
-  unsigned char* dw = static_cast<unsigned char*>(a.dweight);
-  const int64_t npass = (p.n + L.R - 1) / L.R;
-  Status s = for_each_lean_piece(p, L, [&](const LeanPiece& pc) -> Status {
-    LeanTile t{reinterpret_cast<float*>(base + L.off_z), base + L.off_dlog, reinterpret_cast<float*>(base + L.off_dzz)};
-    if (pc.borrowed) {
-      unsigned char* b = align256(dw + (pc.c + pc.w) * p.h * eb);
-      if (!L.fused) { t.z = reinterpret_cast<float*>(b); b += size_t(L.R) * pc.w * 4; }
-      t.dlog = b;
-    }
-    const blas::Mat Wp{wgt + pc.c * p.h * eb, p.dtype, pc.cols, p.h, p.h};
-    unsigned char* dwp = dw + pc.c * p.h * eb;
-    for (int64_t pass = 0; pass < npass; ++pass) {
-      const int64_t r0 = pass * L.R, rn = p.n - r0 < L.R ? p.n - r0 : L.R;
-      if (Status e = lean_tile<T>(p, a, L, pc, t, cublas_ws, r0, rn, pass == 0, st)) return e;
-      const blas::Mat Hp{hid + r0 * p.h * eb, p.dtype, rn, p.h, p.h};
-      const blas::Mat D{t.dlog, p.dtype, rn, pc.cols, pc.w};
-      // dH[pass] (+)= dlogit W[piece], accumulated over pieces in fp32
-      if (Status e = dh_accumulate(p, a, L, base, cublas_ws, D, Wp, r0, rn, pc.c > 0 ? 1.f : 0.f, st)) return e;
-      // dW[piece] (+)= dlogit^T H[pass]: straight to dtype with one pass, else through fp32
-      if (npass == 1) return blas::gemm(st, cublas_ws, D, true, Hp, false, dwp, p.dtype, p.h, 0.f);
-      if (Status e = blas::gemm(st, cublas_ws, D, true, Hp, false, dwacc, DType::kF32, p.h, pass > 0 ? 1.f : 0.f))
-        return e;
-    }
-    to_dtype_kernel<T><<<blocks_of(pc.cols * p.h, 256), 256, 0, st>>>(dwacc, reinterpret_cast<T*>(dwp), pc.cols * p.h);
-    RLK_CHECK_LAUNCH("rlk cuda: dW conversion launch failed");
-    return nullptr;
+  return for_each_dh_sweep(p, L, a.dhidden_dtype, [&](const DhSweep& sw) -> Status {
+    if (Status s = lean_sweep<T>(p, a, L, sw, ws.ptr, base, st)) return s;
+    return a.dhidden_dtype == DType::kF32 ? nullptr : finish_dhidden<T>(p, a, L, sw, base, st);
   });
-  if (s) return s;
-  return a.dhidden_dtype == DType::kF32 ? nullptr : finish_dhidden<T>(p, a, L, base, st);
 }
 
 template <typename T>
@@ -514,9 +585,13 @@ Status backward_t(const Problem& p, const BwdArgs& a, Workspace ws, cudaStream_t
 
 LeanPlan lean_plan(const Problem& p, bool fused, DType dhidden_dtype) {
   const LeanLayout L = lean_layout(p, fused, dhidden_dtype);
-  LeanPlan plan{L.total, size_t(L.R) * lean_per_row(p, fused, L.P), L.R, {}};
-  for_each_lean_piece(p, L, [&](const LeanPiece& pc) -> Status {
-    plan.pieces.push_back({pc.c, pc.cols, pc.w, pc.borrowed, size_t(L.R) * lean_per_row(p, fused, pc.w)});
+  LeanPlan plan{L.total, size_t(L.t.R) * lean_per_row(p, fused, L.t.P), L.t.R, {}, {}};
+  for_each_lean_piece(p, L, true, [&](const LeanPiece& pc) -> Status {
+    plan.pieces.push_back({pc.c, pc.cols, pc.w, pc.borrowed, size_t(L.t.R) * lean_per_row(p, fused, pc.w)});
+    return nullptr;
+  });
+  for_each_dh_sweep(p, L, dhidden_dtype, [&](const DhSweep& sw) -> Status {
+    plan.dh_sweeps.push_back({sw.r0, sw.in, sw.r1});
     return nullptr;
   });
   return plan;

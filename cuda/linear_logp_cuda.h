@@ -24,7 +24,7 @@ Backend forward_backend(const Problem& p);
 
 size_t forward_workspace_bytes(const Problem& p);
 // `fast`: the backward reads kept logits (BwdArgs::logits); else it recomputes them (lean: all of
-// its extra memory is this workspace, at most 256 MiB unless n * h alone asks for more, see
+// its extra memory is this workspace, at most 256 MiB for any n and v and h up to 32768, see
 // linear_logp_bwd.cu). `dhidden_dtype`: BwdArgs::dhidden_dtype. The lean layout also depends on
 // whether the sm90 kernel does the recompute (forward_backend), fixed per device and process.
 size_t backward_workspace_bytes(const Problem& p, bool fast, DType dhidden_dtype);
@@ -37,10 +37,14 @@ struct LeanPiecePlan {
   bool borrowed;             // tiles in dW's rows past the piece, else in the workspace
   size_t tile_bytes;         // all tiles of one row pass
 };
+struct DhSweepPlan {
+  int64_t r0, in, r1;  // dH rows [r0, r1), of which [r0, r0 + in) accumulate inside dhidden
+};
 struct LeanPlan {
   size_t workspace_bytes, ws_tile_bytes;
   int64_t rows_per_pass;
-  std::vector<LeanPiecePlan> pieces;
+  std::vector<LeanPiecePlan> pieces;   // the first sweep's (later ones take the workspace tile)
+  std::vector<DhSweepPlan> dh_sweeps;  // one, unless dH's fp32 accumulator does not fit
 };
 LeanPlan lean_plan(const Problem& p, bool fused, DType dhidden_dtype);
 

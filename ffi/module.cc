@@ -309,6 +309,9 @@ NB_MODULE(_rlk_core, m) {
           out["ws_tile_bytes"] = int64_t(plan.ws_tile_bytes);
           out["rows_per_pass"] = plan.rows_per_pass;
           out["pieces"] = pieces;
+          nb::list sweeps;
+          for (const auto& sw : plan.dh_sweeps) sweeps.append(nb::make_tuple(sw.r0, sw.in, sw.r1));
+          out["dh_sweeps"] = sweeps;
 #else
           (void)n, (void)h, (void)v, (void)dtype, (void)dhidden_f32, (void)fused;
 #endif
@@ -316,7 +319,8 @@ NB_MODULE(_rlk_core, m) {
         },
         nb::arg("n"), nb::arg("h"), nb::arg("v"), nb::arg("dtype"), nb::arg("dhidden_f32"), nb::arg("fused"),
         "The CUDA lean backward's plan for this shape (for tests and reports; {} without CUDA):\n"
-        "workspace_bytes, ws_tile_bytes, rows_per_pass, pieces [(col, cols, width, borrowed, tile_bytes)].\n"
+        "workspace_bytes, ws_tile_bytes, rows_per_pass, pieces [(col, cols, width, borrowed, tile_bytes)] (the\n"
+        "first sweep's), dh_sweeps [(r0, in, r1)]: dH rows [r0, r1), [r0, r0 + in) accumulated inside dhidden.\n"
         "fused: the sm90 recompute (a device decides it; here it is given).");
 
   m.def("cuda_prepare_backward", [](int device) {

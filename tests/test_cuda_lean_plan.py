@@ -2,8 +2,10 @@
 the way it cuts the vocab (cuda/linear_logp_bwd.cu, lean_layout and lean_next_piece).
 
 All that the lean backward adds to the caller's buffers is its workspace; with dH in the operand
-dtype (the whole vocab) that includes half of dH's fp32 accumulator. It must stay within 256 MiB at
-the shapes of DESIGN.md section 6. A piece's tiles either sit in the workspace or borrow dW's rows
+dtype (the whole vocab) that includes up to half of dH's fp32 accumulator. It must stay within
+256 MiB whatever n and v: where that half would not fit, dH comes in row sweeps, which must cover
+the rows in order and keep their fp32 rows within dhidden's bytes. At the shapes of DESIGN.md
+section 6 there is one sweep. A piece's tiles either sit in the workspace or borrow dW's rows
 past the piece (not written yet): they must fit there and never reach the piece's own rows.
 """
 import pytest
@@ -51,6 +53,44 @@ def test_lean_pieces_cover_the_vocab_and_fit(name, fused):
             col += cols
         assert col == v
         assert plan["rows_per_pass"] % 128 == 0
+
+
+@pytest.mark.parametrize("h", [64, 72, 2048, 4096, 8192, 16384, 32768])
+def test_lean_workspace_within_256_mib_whatever_n_and_v(h):
+    for n in (1, 127, 16384, 24000, 32768, 65536, 1 << 18, 1 << 20, 1 << 22):
+        for v in (1000, 151936, 1 << 20):
+            for dtype in (0, BF16):  # float32, bfloat16 operands
+                for dhidden_f32 in (False, True):
+                    for fused in (True, False):
+                        plan = core.cuda_lean_plan(n, h, v, dtype, dhidden_f32, fused)
+                        assert plan["workspace_bytes"] <= 256 * MIB, (n, h, v, dtype, dhidden_f32, fused)
+                        _check_sweeps(plan["dh_sweeps"], n, 4 if dhidden_f32 or dtype == 0 else 2)
+
+
+def _check_sweeps(sweeps, n, dh_bytes):
+    """The sweeps cover rows [0, n) in order; a sweep's fp32 rows inside dhidden fit its bytes from
+    the sweep's first row on; later sweeps start on 128-row blocks (256-byte aligned fp32 rows)."""
+    assert sweeps[0][0] == 0 and sweeps[-1][2] == n
+    for (r0, inside, r1), nxt in zip(sweeps, sweeps[1:] + [None]):
+        assert r0 < r1 and 0 <= inside <= r1 - r0
+        assert inside * 4 <= (n - r0) * dh_bytes
+        if nxt is not None:
+            assert nxt[0] == r1 and r1 % 128 == 0
+    if dh_bytes == 4:
+        assert sweeps == [(0, n, n)]  # an fp32 dhidden holds its own accumulator
+
+
+@pytest.mark.parametrize("name", list(SHAPES) + list(ODD))
+def test_design_shapes_take_one_sweep(name):
+    n, h, v = {**SHAPES, **ODD}[name]
+    for fused in (True, False):
+        assert _plan(n, h, v, False, fused)["dh_sweeps"] == [(0, n // 2, n)]
+
+
+def test_large_n_sweeps_dh():
+    """32768 x 4096 (lptest's case): dH's fp32 half (256 MiB) does not fit; two sweeps."""
+    plan = _plan(32768, 4096, 7013, dhidden_f32=False, fused=True)
+    assert plan["workspace_bytes"] <= 256 * MIB and len(plan["dh_sweeps"]) == 2
 
 
 def test_l16k_borrows_wide_pieces():
