@@ -87,19 +87,16 @@ def trace(step):
 
 
 def report(name, path, step, host):
+    """One path's breakdown: a heading with its times, the kernels, the gaps, the host calls."""
     from triton.testing import do_bench
     for _ in range(3):
         step()
-    ms = event_ms(step)
-    print(f"\n{name} {path}: ms per step: synced {ms:.3f}, 10 back to back {event_ms(step, 5, 10):.3f}, "
-          f"do_bench {do_bench(step, warmup=25, rep=150, return_mode='median'):.3f}")
-    if host:
-        host_profile(step)
+    synced, b2b = event_ms(step), event_ms(step, 5, 10)
+    bench = do_bench(step, warmup=25, rep=150, return_mode="median")
     gpu, cpu = trace(step)
     busy = sum(e - s for s, e, _ in gpu) / 1e3 / STEPS
-    span = (gpu[-1][1] - gpu[0][0]) / 1e3 / STEPS if gpu else 0.0
-    print(f"\n## {name} {path}: step {ms:.3f} ms (CUDA events); GPU busy {busy:.3f} ms/step, "
-          f"first-to-last kernel {span:.3f} ms/step, {len(gpu) // STEPS} GPU ops/step")
+    print(f"\n## {name} {path}\n\nms per step: synced {synced:.3f}, 10 back to back {b2b:.3f}, do_bench {bench:.3f}; "
+          f"GPU busy {busy:.3f}, {len(gpu) // STEPS} GPU ops\n")
     by_name = collections.defaultdict(lambda: [0, 0.0])
     for s, e, n in gpu:
         by_name[n][0] += 1
@@ -109,11 +106,13 @@ def report(name, path, step, host):
         print(f"| {n[:90]} | {c / STEPS:g} | {t / STEPS:.3f} |")
     gaps = sorted(((gpu[i + 1][0] - gpu[i][1], gpu[i][2], gpu[i + 1][2]) for i in range(len(gpu) - 1)),
                   reverse=True)[:6]
-    print("largest gaps (us, after -> before):")
+    print("\nlargest gaps between GPU ops (us, after -> before):")
     for gap, a, b in gaps:
         print(f"  {gap:9.1f}  {a[:50]} -> {b[:50]}")
     slow_cpu = sorted(((e - s, n) for s, e, n in cpu), reverse=True)[:6]
     print("slowest host calls (us): " + ", ".join(f"{n} {d:.0f}" for d, n in slow_cpu))
+    if host:
+        host_profile(step)
 
 
 def main():
