@@ -118,6 +118,8 @@ def test_out_of_range_targets():
     t2[0], t2[2] = 2 ** 32 + 3, -(2 ** 40)
     out = torch_bridge.linear_logp(d["hidden"], d["weight"], t2, validate_targets=False, **kw)
     assert torch.isnan(out[[0, 2]]).all() and not torch.isnan(out[3])
+    ref = torch_bridge.linear_logp(d["hidden"], d["weight"], t2, validate_targets=False, mode="off", **kw)
+    assert torch.equal(torch.isnan(ref), torch.isnan(out))  # the reference reads the same int32 ids
     # ... nor into ignore_index at the bottom of the int32 range
     t2[3] = -(2 ** 31)
     out = torch_bridge.linear_logp(d["hidden"], d["weight"], t2, validate_targets=False, ignore_index=-(2 ** 31),
