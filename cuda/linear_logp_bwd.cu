@@ -233,7 +233,8 @@ Status backward_fast(const Problem& p, const BwdArgs& a, Workspace ws, cudaStrea
 //   dW, db, dT) but accumulates dH only for the rows that fit, and rounds them. Each next sweep
 //   recomputes the dlogit tiles of rows still without dH, for dH alone, in the room the rounded
 //   rows left in dhidden plus the workspace's dH rows: the rows left at least halve per sweep,
-//   and their recompute is the extra work.
+//   and their recompute is the extra work. Those rows sum dH over the workspace tile's pieces,
+//   an order other than the first sweep's but as fixed by the shapes.
 // - The pieces are as wide as possible: each fp32 read-modify-write of the dH accumulator costs
 //   n * h * 8 bytes of traffic, and wider dW GEMMs run closer to peak. dW's rows past the current
 //   piece are not written yet, so a piece's tiles borrow them while they are large enough
@@ -479,12 +480,17 @@ Status dh_accumulate(const Problem& p, const BwdArgs& a, const LeanLayout& L, co
     const blas::Mat Dr{static_cast<const unsigned char*>(D.ptr) + (lo - r0) * D.ld * eb, D.dtype, hi - lo, D.cols, D.ld};
     return blas::gemm(st, ws, Dr, false, Wp, false, acc + (lo - first) * p.h, DType::kF32, p.h, beta);
   };
-  const int64_t lo = std::max(r0, sw.r0), hi = std::min(r0 + rn, sw.r1), split = std::clamp(sw.r0 + sw.in, lo, hi);
+  const int64_t lo = std::max(r0, sw.r0), hi = std::min(r0 + rn, sw.r1);
+  if (hi <= lo) return nullptr;  // a pass of the first sweep past its dH rows
+  const int64_t split = std::clamp(sw.r0 + sw.in, lo, hi);
   float* in_dh = reinterpret_cast<float*>(static_cast<unsigned char*>(a.dhidden) +
                                           sw.r0 * p.h * dtype_bytes(a.dhidden_dtype));
   if (Status s = rows(lo, split, in_dh, sw.r0)) return s;
   return rows(split, hi, reinterpret_cast<float*>(base + L.off_dh), sw.r0 + sw.in);
 }
+
+// Rows finish_dhidden rounds at a time: as many as fit the workspace's dlogit tile.
+int64_t finish_rows(const Problem& p, const LeanLayout& L) { return L.t.R * L.t.P / p.h; }
 
 // A 16-bit dhidden's rows [sw.r0, sw.r1) from the sweep's fp32 accumulator. The rows inside
 // dhidden are rounded in chunks through the workspace tile and copied down (a row's 16-bit place
@@ -495,8 +501,7 @@ Status finish_dhidden(const Problem& p, const BwdArgs& a, const LeanLayout& L, c
                       cudaStream_t st) {
   T* out = static_cast<T*>(a.dhidden) + sw.r0 * p.h;
   const float* acc = reinterpret_cast<const float*>(out);  // the sweep's fp32 rows start at row r0's place
-  const int64_t chunk = L.t.R * L.t.P / p.h;  // rows that fit the workspace's dlogit tile
-  if (chunk < 1) return "rlk cuda: h too large for the lean backward's tile";
+  const int64_t chunk = finish_rows(p, L);
   T* tmp = reinterpret_cast<T*>(base + L.off_dlog);
   for (int64_t r0 = 0; r0 < sw.in; r0 += chunk) {
     const int64_t rows = sw.in - r0 < chunk ? sw.in - r0 : chunk;
@@ -563,6 +568,8 @@ Status backward_lean(const Problem& p, const BwdArgs& a, Workspace ws, cudaStrea
   const bool tma_ok = ((reinterpret_cast<uintptr_t>(a.hidden) | reinterpret_cast<uintptr_t>(a.weight)) & 15) == 0;
   const LeanLayout L = lean_layout(p, lean_fused(p) && tma_ok, a.dhidden_dtype);
   if (L.total > ws.bytes) return "rlk cuda: lean backward workspace too small";
+  if (a.dhidden_dtype != DType::kF32 && finish_rows(p, L) < 1)  // before anything is written
+    return "rlk cuda: h too large for the lean backward's tile (at most 32768)";
   unsigned char* base = align256(static_cast<unsigned char*>(ws.ptr) + blas::kWorkspaceAlloc);
   return for_each_dh_sweep(p, L, a.dhidden_dtype, [&](const DhSweep& sw) -> Status {
     if (Status s = lean_sweep<T>(p, a, L, sw, ws.ptr, base, st)) return s;
@@ -584,6 +591,7 @@ Status backward_t(const Problem& p, const BwdArgs& a, Workspace ws, cudaStream_t
 }  // namespace
 
 LeanPlan lean_plan(const Problem& p, bool fused, DType dhidden_dtype) {
+  if (p.n <= 0 || p.v <= 0 || p.h <= 0) return {};  // nothing to plan: the backward has no lean work
   const LeanLayout L = lean_layout(p, fused, dhidden_dtype);
   LeanPlan plan{L.total, size_t(L.t.R) * lean_per_row(p, fused, L.t.P), L.t.R, {}, {}};
   for_each_lean_piece(p, L, true, [&](const LeanPiece& pc) -> Status {

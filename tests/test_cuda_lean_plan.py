@@ -87,6 +87,10 @@ def test_design_shapes_take_one_sweep(name):
         assert _plan(n, h, v, False, fused)["dh_sweeps"] == [(0, n // 2, n)]
 
 
+def test_no_rows_no_plan():
+    assert _plan(0, 4096, 1000, dhidden_f32=False, fused=True)["workspace_bytes"] == 0
+
+
 def test_large_n_sweeps_dh():
     """32768 x 4096 (lptest's case): dH's fp32 half (256 MiB) does not fit; two sweeps."""
     plan = _plan(32768, 4096, 7013, dhidden_f32=False, fused=True)
