@@ -473,7 +473,8 @@ int main(int argc, char** argv) {
   if (bench) {
     struct S { const char* name; int64_t n, h, v; };
     const S shapes[] = {{"T1", 796, 2048, 75968}, {"T2", 1820, 2048, 75968}, {"T3", 6827, 2048, 75968},
-                        {"T3-tp1", 6827, 2048, 151936}, {"H200-pub", 4096, 4096, 128256}, {"L16k", 16384, 4096, 151936}};
+                        {"T3-tp1", 6827, 2048, 151936}, {"H200-pub", 4096, 4096, 128256}, {"L16k", 16384, 4096, 151936},
+                        {"L32k", 32768, 4096, 151936}};  // L32k: lean's dH in two row sweeps
     for (const S& s : shapes)
       if (only.empty() || only == s.name) bench_shape(s.name, s.n, s.h, s.v, profile ? 1 : 20, profile ? 0 : 3);
     return 0;

@@ -41,7 +41,7 @@ for step in "$@"; do
            timeout 200 compute-sanitizer --tool $tool --print-limit 5 $B/lptest --tiny > /tmp/san_$tool.log 2>&1
            { grep -E "Error|access at|Invalid|hazards\]" /tmp/san_$tool.log | head -n 40; tail -n 3 /tmp/san_$tool.log; } | tee $OUT/$tool.log
          done ;;
-    bench) timeout 150 $B/lptest --bench 2>&1 | tee $OUT/bench.log ;;
+    bench) timeout 200 $B/lptest --bench 2>&1 | tee $OUT/bench.log ;;
     bench1) timeout 60 $B/lptest --bench --only T3 2>&1 | tee $OUT/bench.log ;;
     prof) timeout 200 ncu --clock-control none --metrics gpu__time_duration.sum --csv $B/lptest --profile --only ${PROF_SHAPE:-T3} > $OUT/ncu.csv 2>$OUT/ncu.err; tail -3 $OUT/ncu.err
           python3 benchmarks/cuda/ncu_summary.py $OUT/ncu.csv ;;
