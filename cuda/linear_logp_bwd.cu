@@ -243,7 +243,7 @@ Status backward_fast(const Problem& p, const BwdArgs& a, Workspace ws, cudaStrea
 #define RLK_LEAN_BUDGET_MIB 250  // 256 MiB, less room for the frontends' [n] vectors (A/B: other values)
 #endif
 constexpr size_t kLeanBudget = size_t(RLK_LEAN_BUDGET_MIB) << 20;
-constexpr size_t kLeanLimit = size_t(256) << 20;    // the promise; one sweep wherever it holds
+constexpr size_t kLeanLimit = kLeanBudget + (size_t(6) << 20);  // the promise (256 MiB); one sweep wherever it holds
 constexpr size_t kLeanTileMax = size_t(144) << 20;  // larger workspace tiles gain little
 constexpr size_t kLeanTileMin = size_t(32) << 20;   // the floor where n * h takes the budget
 constexpr int64_t kLeanMinPiece = 1024;             // narrower workspace pieces: take more row passes
