@@ -246,6 +246,10 @@ constexpr size_t kLeanBudget = size_t(RLK_LEAN_BUDGET_MIB) << 20;
 constexpr size_t kLeanLimit = kLeanBudget + (size_t(6) << 20);  // the promise (256 MiB); one sweep wherever it holds
 constexpr size_t kLeanTileMax = size_t(144) << 20;  // larger workspace tiles gain little
 constexpr size_t kLeanTileMin = size_t(32) << 20;   // the floor where n * h takes the budget
+#ifndef RLK_LEAN_SWEEP_TILE_MIB
+#define RLK_LEAN_SWEEP_TILE_MIB 32  // the tiles' share when dH needs sweeps (A/B: more room, more sweeps)
+#endif
+constexpr size_t kLeanSweepTiles = size_t(RLK_LEAN_SWEEP_TILE_MIB) << 20;
 constexpr int64_t kLeanMinPiece = 1024;             // narrower workspace pieces: take more row passes
 constexpr int64_t kLeanMaxPiece = 16384;            // borrowed pieces, one pass (bounds dzz)
 
@@ -324,9 +328,10 @@ LeanLayout lean_layout(const Problem& p, bool fused, DType dh_dtype) {
   L.t = lean_tiles(p, fused, std::clamp(kLeanBudget > dh ? kLeanBudget - dh : 0, kLeanTileMin, kLeanTileMax));
   lean_place(p, L);
   if (L.total <= kLeanLimit) return L;
-  // Row sweeps of dH: the tiles at their floor, the workspace's dH rows in what is left, in whole
-  // 128-row blocks (every sweep's fp32 rows inside dhidden then start 256-byte aligned).
-  L.t = lean_tiles(p, fused, kLeanTileMin);
+  // Row sweeps of dH: the tiles at their floor (fewest rows to recompute), the workspace's dH rows
+  // in what is left, in whole 128-row blocks (every sweep's fp32 rows inside dhidden then start
+  // 256-byte aligned).
+  L.t = lean_tiles(p, fused, std::max(kLeanSweepTiles, kLeanTileMin));
   L.dh_ws = 0;
   lean_place(p, L);
   L.dh_ws = std::max<int64_t>(128, int64_t((kLeanBudget > L.total ? kLeanBudget - L.total : 0) / row4) / 128 * 128);
