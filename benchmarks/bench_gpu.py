@@ -34,16 +34,17 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import gc
-import statistics
 import datetime
+import gc
 import importlib.metadata
 import json
 import os
+import statistics
 import sys
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # JAX and torch share the GPU here
 
+import rlk_common as common  # noqa: E402
 import torch  # noqa: E402
 from triton.testing import do_bench  # noqa: E402
 
@@ -53,9 +54,8 @@ from plot_report import is_ours  # noqa: E402
 PATHS = ("rlk_xla_fast", "rlk_xla_lean", "torch_bridge_fast", "torch_bridge_lean",
          "jax_ref", "jax_chunked", "tokamax", "torch_native", "liger", "cce")
 JAX_PATHS = {"rlk_xla_fast", "rlk_xla_lean", "jax_ref", "jax_chunked", "tokamax"}
-SHAPES = {"T3": (6827, 2048, 75968), "H200-pub": (4096, 4096, 128256), "L16k": (16384, 4096, 151936),
-          "T3-tp1": (6827, 2048, 151936), "T1": (796, 2048, 75968), "T2": (1820, 2048, 75968),
-          "Q8B-tp4": (4096, 4096, 37984)}
+SHAPES = {name: common.SHAPES[name] for name in  # DESIGN.md section 6, in the order the report runs them
+          ("T3", "H200-pub", "L16k", "T3-tp1", "T1", "T2", "Q8B-tp4")}
 LOGP_ROWS = 256  # sampled rows for the logp error
 GRAD_ROWS = 512  # leading rows for the dH / dW errors
 VERSIONED = ("jax", "jaxlib", "torch", "triton", "liger-kernel", "cut-cross-entropy", "tokamax", "rlk_xla")

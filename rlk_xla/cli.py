@@ -8,13 +8,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import rlk_common as common
+
 from . import linear_logp, reference, reset_route_stats, route_stats
 from ._core import core, registered_platforms
 
-# DESIGN.md section 6, plus the CPU shape of the core issue.
-SHAPES = {"small": (512, 1024, 32000), "T1": (796, 2048, 75968), "T2": (1820, 2048, 75968),
-          "T3": (6827, 2048, 75968), "T3-tp1": (6827, 2048, 151936), "Q8B-tp4": (4096, 4096, 37984),
-          "L16k": (16384, 4096, 151936), "H200-pub": (4096, 4096, 128256)}
+# DESIGN.md section 6, after the CPU shape of the core issue.
+SHAPES = {"small": (512, 1024, 32000), **common.SHAPES}
 
 
 def progress(i: int, total: int, label: str) -> None:

@@ -40,7 +40,7 @@ def linear_logp(hidden, weight, targets, *, bias=None, temperature=1.0, ignore_i
     mode: "auto" (default, env RLK_MODE), "strict", "audit" or "off" (the reference).
     backward: the gradient's strategy. "fast" keeps this shard's logits from the forward (fp16,
     fp32 for fp32 operands: n * V_local * 2 bytes) and reads them back; "lean" recomputes them
-    chunk by chunk (on CUDA a workspace of at most 256 MiB unless n * h * 2 bytes alone near it);
+    chunk by chunk (on CUDA a workspace of at most 256 MiB, whatever n and V);
     "auto" (default) is fast when the kept logits fit backward_memory_budget bytes (default: env
     RLK_BACKWARD_MEMORY_BUDGET, else 4 GiB), else lean. Only calls that are differentiated keep
     logits.

@@ -11,14 +11,12 @@ past the piece (not written yet): they must fit there and never reach the piece'
 import pytest
 
 import _rlk_core as core
+from rlk_common import SHAPES  # DESIGN.md section 6
 
 pytestmark = pytest.mark.skipif(not core.has_cuda, reason="this build of _rlk_core has no CUDA backend")
 
 BF16 = 2
 MIB = 1 << 20
-SHAPES = {"T1": (796, 2048, 75968), "T2": (1820, 2048, 75968), "T3": (6827, 2048, 75968),
-          "T3-tp1": (6827, 2048, 151936), "Q8B-tp4": (4096, 4096, 37984), "H200-pub": (4096, 4096, 128256),
-          "L16k": (16384, 4096, 151936)}
 ODD = {"n1": (1, 64, 1000), "n3": (3, 2048, 151936), "n127-v7013": (127, 64, 7013),
        "n4097": (4097, 2048, 151936), "passes": (80000, 64, 7013), "borrow": (16384, 2048, 151936)}
 
