@@ -95,14 +95,14 @@ template <typename T> __device__ __forceinline__ void store_cols(T* r, int64_t c
     if (c0 + k < q.cols) r[c0 + k] = from_f<T>(x[k]);
 }
 
-// One block per row; each thread handles kUnroll vectors of kVec columns per step, all loaded
-// before any is stored: the pass is bound by memory bandwidth, which needs several loads in
-// flight per thread (one at a time reached under half of HBM's rate). A thread reads its columns
-// before writing them, so dlog may alias z; no __restrict__ on these two.
+// One block per row. A thread reads its columns before writing them, so dlog may alias z; no
+// __restrict__ on these two. The pass is one load and one store per element, but its arithmetic
+// per element is close to that: the checks go per vector (only the row's last vectors hold
+// padding), the target is one small-int compare, and p = __expf(z - lse) (ex2.approx, a few ulp:
+// the result is rounded to 16 bits; the sm90 epilogue's form). Four vectors in flight per thread
+// instead of one gained nothing (same-machine A/B, 2026-11-30: fast T3 10.70 vs 10.52 ms).
 template <typename ZT, typename T>
 __global__ void __launch_bounds__(kRowThreads) dlogit_kernel(DlogitParams q) {
-  constexpr int kUnroll = 4;
-  constexpr int64_t kStride = int64_t(kRowThreads) * kVec;  // columns between a thread's vectors
   __shared__ float red[kRowThreads];
   const int64_t row = blockIdx.x;
   const int64_t t = q.targets[row];
@@ -112,27 +112,27 @@ __global__ void __launch_bounds__(kRowThreads) dlogit_kernel(DlogitParams q) {
   const float ent = active && q.ent ? q.ent[row] : 0.f, e = active && q.e ? q.e[row] : 0.f;
   const ZT* zr = static_cast<const ZT*>(q.z) + row * q.ldz;
   T* dr = static_cast<T*>(q.dlog) + row * q.ldd;
+  // columns [0, live_cols) are real ids of this row's vocab; past them (padding, the tile's
+  // spare columns) no gradient
+  const int64_t live_cols = active ? std::min(q.cols, q.real_vocab - q.col0) : 0;
   float dzz = 0.f;
-  for (int64_t base = int64_t(threadIdx.x) * kVec; base < q.cols; base += kStride * kUnroll) {
-    float x[kUnroll][kVec];
+  for (int64_t c0 = int64_t(threadIdx.x) * kVec; c0 < q.cols; c0 += int64_t(kRowThreads) * kVec) {
+    float x[kVec];
+    load_cols(zr, c0, q, x);
+    const int64_t rest = live_cols - c0;
+    const int nlive = rest >= kVec ? kVec : rest > 0 ? int(rest) : 0;
+    const int kt = t - q.col0 >= c0 && t - q.col0 < c0 + kVec ? int(t - q.col0 - c0) : -1;
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) load_cols(zr, base + u * kStride, q, x[u]);
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int64_t c0 = base + u * kStride;
-#pragma unroll
-      for (int k = 0; k < kVec; ++k) {
-        const int64_t col = c0 + k;
-        float z = x[u][k];
-        if (q.raw) z = (z + (q.bias && col < q.cols ? q.bias[col] : 0.f)) * it;
-        // padding (id past the real vocab, or a -inf logit from a bias mask) gets no gradient
-        const bool live = active && col < q.cols && q.col0 + col < q.real_vocab && z > -INFINITY;
-        const float dz = live ? dz_of(z, q.col0 + col == t, lse, ent, g, e) : 0.f;
-        if (live) dzz = fmaf(dz, z, dzz);
-        x[u][k] = dz * it;
-      }
-      store_cols(dr, c0, q, x[u]);
+    for (int k = 0; k < kVec; ++k) {
+      float z = x[k];
+      if (q.raw) z = (z + (q.bias && c0 + k < q.cols ? q.bias[c0 + k] : 0.f)) * it;
+      const bool live = k < nlive && z > -INFINITY;  // (-inf: a logit masked by the bias)
+      const float p = __expf(z - lse);
+      const float dz = live ? g * ((k == kt ? 1.f : 0.f) - p) + e * p * (lse - ent - z) : 0.f;
+      if (live) dzz = fmaf(dz, z, dzz);
+      x[k] = dz * it;
     }
+    store_cols(dr, c0, q, x);
   }
   if (!q.dtemp) return;
   red[threadIdx.x] = dzz;  // fixed-shape tree: the same order for every row and every run
@@ -246,10 +246,6 @@ constexpr size_t kLeanBudget = size_t(RLK_LEAN_BUDGET_MIB) << 20;
 constexpr size_t kLeanLimit = kLeanBudget + (size_t(6) << 20);  // the promise (256 MiB); one sweep wherever it holds
 constexpr size_t kLeanTileMax = size_t(144) << 20;  // larger workspace tiles gain little
 constexpr size_t kLeanTileMin = size_t(32) << 20;   // the floor where n * h takes the budget
-#ifndef RLK_LEAN_SWEEP_TILE_MIB
-#define RLK_LEAN_SWEEP_TILE_MIB 32  // the tiles' share when dH needs sweeps (A/B: more room, more sweeps)
-#endif
-constexpr size_t kLeanSweepTiles = size_t(RLK_LEAN_SWEEP_TILE_MIB) << 20;
 constexpr int64_t kLeanMinPiece = 1024;             // narrower workspace pieces: take more row passes
 constexpr int64_t kLeanMaxPiece = 16384;            // borrowed pieces, one pass (bounds dzz)
 
@@ -280,11 +276,14 @@ size_t lean_per_row(const Problem& p, bool fused, int64_t P) {
   return size_t(P) * (dtype_bytes(p.dtype) + (fused ? 0 : 4));
 }
 
+// The tiles of R rows and P columns: z (gemm path), dlogit, and dzz (fused).
+int64_t lean_tile_bytes(const Problem& p, bool fused, int64_t R, int64_t P) {
+  return R * int64_t(lean_per_row(p, fused, P)) + (fused ? R * dlogit_splits(P) * 4 : 0);
+}
+
 // The tiles in about `tiles` bytes. Depends on the shapes, the dtype and the path only.
 LeanTiles lean_tiles(const Problem& p, bool fused, size_t tiles) {
-  auto tile_bytes = [&](int64_t R, int64_t P) {
-    return R * int64_t(lean_per_row(p, fused, P)) + (fused ? R * dlogit_splits(P) * 4 : 0);
-  };
+  auto tile_bytes = [&](int64_t R, int64_t P) { return lean_tile_bytes(p, fused, R, P); };
   const int64_t v256 = ceil_to(p.v, 256);
   // One row pass, the common case: dW goes straight to the dtype.
   const int64_t R = ceil_to(p.n, 128);
@@ -316,28 +315,54 @@ void lean_place(const Problem& p, LeanLayout& L) {
   L.total = blas::kWorkspaceAlloc + 256 /*tile base alignment*/ + o;
 }
 
-// Depends on the shapes, the dtypes and the path only.
-LeanLayout lean_layout(const Problem& p, bool fused, DType dh_dtype) {
-  const size_t fixed = blas::kWorkspaceAlloc + 256, row4 = size_t(p.h) * 4;
+// One sweep: the workspace holds every dH row that dhidden cannot, the tiles what is left
+// (`tiles`: their share).
+LeanLayout one_sweep_layout(const Problem& p, bool fused, DType dh_dtype, size_t& tiles) {
   LeanLayout L{};
   L.fused = fused;
   L.dh_in = p.n * int64_t(dtype_bytes(dh_dtype)) / 4;
-  // One sweep: the workspace holds every dH row that dhidden cannot, the tiles what is left.
   L.dh_ws = p.n - L.dh_in;
-  const size_t dh = fixed + align256(size_t(L.dh_ws) * row4);
-  L.t = lean_tiles(p, fused, std::clamp(kLeanBudget > dh ? kLeanBudget - dh : 0, kLeanTileMin, kLeanTileMax));
-  lean_place(p, L);
-  if (L.total <= kLeanLimit) return L;
-  // Row sweeps of dH: the tiles at their floor (fewest rows to recompute), the workspace's dH rows
-  // in what is left, in whole 128-row blocks (every sweep's fp32 rows inside dhidden then start
-  // 256-byte aligned).
-  L.t = lean_tiles(p, fused, std::max(kLeanSweepTiles, kLeanTileMin));
-  L.dh_ws = 0;
-  lean_place(p, L);
-  L.dh_ws = std::max<int64_t>(128, int64_t((kLeanBudget > L.total ? kLeanBudget - L.total : 0) / row4) / 128 * 128);
-  if (L.dh_in < p.n) L.dh_in = L.dh_in / 128 * 128;  // (an fp32 dhidden holds all its rows itself)
+  const size_t dh = blas::kWorkspaceAlloc + 256 + align256(size_t(L.dh_ws) * p.h * 4);
+  tiles = std::clamp(kLeanBudget > dh ? kLeanBudget - dh : 0, kLeanTileMin, kLeanTileMax);
+  L.t = lean_tiles(p, fused, tiles);
   lean_place(p, L);
   return L;
+}
+
+// Row sweeps of dH. The tiles take the least room that keeps one row pass with pieces of
+// kLeanMinPiece columns: most pieces then borrow dW's rows and dW needs no fp32 accumulator.
+// Smaller tiles would leave more dH rows to the first sweep but cost far more than the rows'
+// recompute: at L32k (2026-11-30), 32 MiB of tiles (29 row passes of 1792-column pieces beside a
+// dW accumulator, nothing borrowed) took 530 ms, one pass in 96 MiB 285 ms, and one sweep in
+// 430 MB 257 ms. Where one pass does not fit (n past about 120k rows at bf16), the tiles take half
+// the budget in several passes. The workspace's dH rows take what is left (no more than dhidden
+// cannot hold), in whole 128-row blocks: every sweep's fp32 rows inside dhidden then start
+// 256-byte aligned.
+LeanLayout sweeps_layout(const Problem& p, bool fused, DType dh_dtype) {
+  const size_t row4 = size_t(p.h) * 4;
+  LeanLayout L{};
+  L.fused = fused;
+  L.t = lean_tiles(p, fused, lean_tile_bytes(p, fused, ceil_to(p.n, 128), std::min(kLeanMinPiece, ceil_to(p.v, 256))));
+  lean_place(p, L);
+  if (L.t.dwacc > 0 || L.total + align256(128 * row4) > kLeanBudget) {
+    L.t = lean_tiles(p, fused, kLeanBudget / 2);
+    lean_place(p, L);
+  }
+  L.dh_in = p.n * int64_t(dtype_bytes(dh_dtype)) / 4;
+  if (L.dh_in < p.n) L.dh_in = L.dh_in / 128 * 128;  // (an fp32 dhidden holds all its rows itself)
+  const int64_t room = int64_t((kLeanBudget > L.total ? kLeanBudget - L.total : 0) / row4) / 128 * 128;
+  L.dh_ws = std::clamp<int64_t>(room, 128, std::max<int64_t>(128, ceil_to(p.n - L.dh_in, 128)));
+  lean_place(p, L);
+  return L;
+}
+
+// Depends on the shapes, the dtypes and the path only. One sweep where it fits in one row pass,
+// or in several passes of tiles as large as the sweeps' (no recompute then); else row sweeps.
+LeanLayout lean_layout(const Problem& p, bool fused, DType dh_dtype) {
+  size_t tiles = 0;
+  const LeanLayout one = one_sweep_layout(p, fused, dh_dtype, tiles);
+  if (one.total <= kLeanLimit && (one.t.dwacc == 0 || tiles >= kLeanBudget / 2)) return one;
+  return sweeps_layout(p, fused, dh_dtype);
 }
 
 // backward_lean falls back to the gemm path for operands that TMA cannot take: the workspace

@@ -516,6 +516,7 @@ int main(int argc, char** argv) {
     add({80000, 64, vodd, DType::kBF16, true, true, 13, true, -1, -1, false});  // lean: 8 row passes across dH's split
     add({16384, 2048, 151936, DType::kBF16, true, true, 36, true, -1, -1, false});  // lean: tiles borrowed from dW
     add({32768, 4096, 7013, DType::kBF16, true, true, 13, true, -1, -1, false});  // lean: dH in two row sweeps
+    add({131072, 1024, 7013, DType::kBF16, true, true, 13, true, -1, -1, false});  // lean: sweeps of several row passes
   }
   }
   uint64_t seed = 1000;
