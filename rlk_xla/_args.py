@@ -6,6 +6,7 @@ TypeError (dtypes).
 from __future__ import annotations
 
 import dataclasses
+import math
 import numbers
 from typing import Any
 
@@ -66,9 +67,7 @@ def parse(hidden, weight, targets, *, bias, temperature, ignore_index, vocab_sta
         raise TypeError(f"bias dtype {bias.dtype} differs from weight dtype {weight.dtype}")
     ignore_index = common.check_ignore_index(ignore_index)
 
-    n = 1
-    for d in ts:
-        n *= d
+    n = math.prod(ts)
     scalar = common.scalar_temperature(temperature)
     if scalar is not None:
         temp, temp_is_array = jnp.full((n,), scalar, F32), False

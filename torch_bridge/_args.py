@@ -6,6 +6,7 @@ ValueError (values, shapes) or TypeError (dtypes); torch adds device checks.
 from __future__ import annotations
 
 import dataclasses
+import math
 import numbers
 from typing import Any
 
@@ -95,9 +96,7 @@ def parse(hidden, weight, targets, *, bias, temperature, ignore_index, vocab_sta
         _same_device(bias, hidden, "bias")
     ignore_index = common.check_ignore_index(ignore_index)
 
-    n = 1
-    for d in ts:
-        n *= d
+    n = math.prod(ts)
     scalar = common.scalar_temperature(temperature)
     if scalar is not None:
         temp, temp_is_array = torch.full((n,), scalar, dtype=F32, device=hidden.device), False
