@@ -315,16 +315,20 @@ void lean_place(const Problem& p, LeanLayout& L) {
   L.total = blas::kWorkspaceAlloc + 256 /*tile base alignment*/ + o;
 }
 
-// One sweep: the workspace holds every dH row that dhidden cannot, the tiles what is left
-// (`tiles`: their share).
-LeanLayout one_sweep_layout(const Problem& p, bool fused, DType dh_dtype, size_t& tiles) {
+// The fp32 dH rows dhidden's own bytes hold.
+int64_t dh_inside(const Problem& p, DType dh_dtype) { return p.n * int64_t(dtype_bytes(dh_dtype)) / 4; }
+
+// One sweep: the workspace holds every dH row that dhidden cannot, the tiles what is left.
+size_t one_sweep_tiles(const Problem& p, DType dh_dtype) {
+  const size_t dh = blas::kWorkspaceAlloc + 256 + align256(size_t(p.n - dh_inside(p, dh_dtype)) * p.h * 4);
+  return std::clamp(kLeanBudget > dh ? kLeanBudget - dh : 0, kLeanTileMin, kLeanTileMax);
+}
+LeanLayout one_sweep_layout(const Problem& p, bool fused, DType dh_dtype) {
   LeanLayout L{};
   L.fused = fused;
-  L.dh_in = p.n * int64_t(dtype_bytes(dh_dtype)) / 4;
+  L.dh_in = dh_inside(p, dh_dtype);
   L.dh_ws = p.n - L.dh_in;
-  const size_t dh = blas::kWorkspaceAlloc + 256 + align256(size_t(L.dh_ws) * p.h * 4);
-  tiles = std::clamp(kLeanBudget > dh ? kLeanBudget - dh : 0, kLeanTileMin, kLeanTileMax);
-  L.t = lean_tiles(p, fused, tiles);
+  L.t = lean_tiles(p, fused, one_sweep_tiles(p, dh_dtype));
   lean_place(p, L);
   return L;
 }
@@ -348,7 +352,7 @@ LeanLayout sweeps_layout(const Problem& p, bool fused, DType dh_dtype) {
     L.t = lean_tiles(p, fused, kLeanBudget / 2);
     lean_place(p, L);
   }
-  L.dh_in = p.n * int64_t(dtype_bytes(dh_dtype)) / 4;
+  L.dh_in = dh_inside(p, dh_dtype);
   if (L.dh_in < p.n) L.dh_in = L.dh_in / 128 * 128;  // (an fp32 dhidden holds all its rows itself)
   const int64_t room = int64_t((kLeanBudget > L.total ? kLeanBudget - L.total : 0) / row4) / 128 * 128;
   L.dh_ws = std::clamp<int64_t>(room, 128, std::max<int64_t>(128, ceil_to(p.n - L.dh_in, 128)));
@@ -359,9 +363,8 @@ LeanLayout sweeps_layout(const Problem& p, bool fused, DType dh_dtype) {
 // Depends on the shapes, the dtypes and the path only. One sweep where it fits in one row pass,
 // or in several passes of tiles as large as the sweeps' (no recompute then); else row sweeps.
 LeanLayout lean_layout(const Problem& p, bool fused, DType dh_dtype) {
-  size_t tiles = 0;
-  const LeanLayout one = one_sweep_layout(p, fused, dh_dtype, tiles);
-  if (one.total <= kLeanLimit && (one.t.dwacc == 0 || tiles >= kLeanBudget / 2)) return one;
+  const LeanLayout one = one_sweep_layout(p, fused, dh_dtype);
+  if (one.total <= kLeanLimit && (one.t.dwacc == 0 || one_sweep_tiles(p, dh_dtype) >= kLeanBudget / 2)) return one;
   return sweeps_layout(p, fused, dh_dtype);
 }
 
