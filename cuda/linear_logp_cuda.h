@@ -39,6 +39,7 @@ struct LeanPiecePlan {
 };
 struct DhSweepPlan {
   int64_t r0, in, r1;  // dH rows [r0, r1), of which [r0, r0 + in) accumulate inside dhidden
+  int64_t tile_rows, tile_width;  // a later sweep's workspace tile (the first's: rows_per_pass, its pieces)
 };
 struct LeanPlan {
   size_t workspace_bytes, ws_tile_bytes;

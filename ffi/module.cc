@@ -310,8 +310,13 @@ NB_MODULE(_rlk_core, m) {
           out["rows_per_pass"] = plan.rows_per_pass;
           out["pieces"] = pieces;
           nb::list sweeps;
-          for (const auto& sw : plan.dh_sweeps) sweeps.append(nb::make_tuple(sw.r0, sw.in, sw.r1));
+          nb::list tiles;
+          for (const auto& sw : plan.dh_sweeps) {
+            sweeps.append(nb::make_tuple(sw.r0, sw.in, sw.r1));
+            tiles.append(nb::make_tuple(sw.tile_rows, sw.tile_width));
+          }
           out["dh_sweeps"] = sweeps;
+          out["dh_sweep_tiles"] = tiles;
 #else
           (void)n, (void)h, (void)v, (void)dtype, (void)dhidden_f32, (void)fused;
 #endif
@@ -320,7 +325,8 @@ NB_MODULE(_rlk_core, m) {
         nb::arg("n"), nb::arg("h"), nb::arg("v"), nb::arg("dtype"), nb::arg("dhidden_f32"), nb::arg("fused"),
         "The CUDA lean backward's plan for this shape (for tests and reports; {} without CUDA):\n"
         "workspace_bytes, ws_tile_bytes, rows_per_pass, pieces [(col, cols, width, borrowed, tile_bytes)] (the\n"
-        "first sweep's), dh_sweeps [(r0, in, r1)]: dH rows [r0, r1), [r0, r0 + in) accumulated inside dhidden.\n"
+        "first sweep's), dh_sweeps [(r0, in, r1)]: dH rows [r0, r1), [r0, r0 + in) accumulated inside dhidden;\n"
+        "dh_sweep_tiles [(rows, width)]: each sweep's workspace tile.\n"
         "fused: the sm90 recompute (a device decides it; here it is given).");
 
   m.def("cuda_prepare_backward", [](int device) {

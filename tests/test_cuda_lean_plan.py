@@ -63,6 +63,18 @@ def test_lean_workspace_within_256_mib_whatever_n_and_v(h):
                         plan = core.cuda_lean_plan(n, h, v, dtype, dhidden_f32, fused)
                         assert plan["workspace_bytes"] <= 256 * MIB, (n, h, v, dtype, dhidden_f32, fused)
                         _check_sweeps(plan["dh_sweeps"], n, 4 if dhidden_f32 or dtype == 0 else 2)
+                        _check_later_sweep_tiles(plan, v, 4 if dtype == 0 else 2, fused)
+
+
+def _check_later_sweep_tiles(plan, v, eb, fused):
+    """A later sweep's tile holds its rows (or a pass's) in the workspace tile's bytes, at least as
+    wide as the first sweep's workspace pieces and never wider than the vocab needs."""
+    per_col = eb + (0 if fused else 4)  # dlogit, and z on the gemm path
+    first_width = plan["ws_tile_bytes"] // (plan["rows_per_pass"] * per_col)
+    for (r0, _, r1), (rows, width) in list(zip(plan["dh_sweeps"], plan["dh_sweep_tiles"]))[1:]:
+        assert rows % 128 == 0 and rows >= min(r1 - r0, plan["rows_per_pass"]) and rows <= plan["rows_per_pass"]
+        assert width % 256 == 0 and first_width <= width <= max(first_width, -(-v // 256) * 256)
+        assert rows * width * per_col <= plan["ws_tile_bytes"]
 
 
 def _check_sweeps(sweeps, n, dh_bytes):
@@ -106,6 +118,7 @@ def test_sweeps_keep_one_row_pass():
     plan = _plan(n, h, v, dhidden_f32=False, fused=True)
     assert plan["rows_per_pass"] == n and len(plan["dh_sweeps"]) == 2
     assert sum(p[3] for p in plan["pieces"]) > len(plan["pieces"]) / 2
+    assert plan["dh_sweep_tiles"][1][1] >= 4096  # the second sweep's 6912 rows: 4.5x wider pieces
     plan = _plan(4 * n, h, v, dhidden_f32=False, fused=True)
     assert plan["rows_per_pass"] < 4 * n and plan["workspace_bytes"] <= 256 * MIB
 
