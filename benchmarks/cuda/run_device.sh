@@ -51,8 +51,8 @@ for step in "$@"; do
         for k in "${!variants[@]}"; do
           A=/tmp/rlkab$k; mkdir -p $A
           nvcc $FLAGS ${variants[$k]} -gencode=arch=compute_90a,code=sm_90a -c $(src linear_logp_sm90) -o $A/sm90.o &
-          if [ -f "${AB_DIR:-/nonexistent}/blas.cc" ]; then nvcc $FLAGS -c $AB_DIR/blas.cc -o $A/blas.o &
-          else cp $B/blas.o $A/blas.o; fi
+          blas=cuda/blas.cc; [ -f "${AB_DIR:-/nonexistent}/blas.cc" ] && blas=$AB_DIR/blas.cc
+          nvcc $FLAGS ${variants[$k]} -c $blas -o $A/blas.o &
           for f in linear_logp_bwd linear_logp_cuda; do
             nvcc $FLAGS ${variants[$k]} -gencode=arch=compute_90,code=sm_90 -c $(src $f) -o $A/$f.o &
           done
