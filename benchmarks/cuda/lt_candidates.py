@@ -1,0 +1,155 @@
+"""cuBLASLt's candidate algorithms for the backward's GEMMs, each timed and named.
+
+    python benchmarks/cuda/lt_candidates.py [--count 12] [--out FILE.md]
+
+For each GEMM of the backward that matters to the split-K question (docs/benchmarks.md section 4)
+it asks cuBLASLt's heuristic for up to --count algorithms twice, with reduction scheme NONE only
+(no split-K) and with any scheme, then runs every candidate: its config (tile id, split-k count,
+reduction scheme, stages), the heuristic's waves, the kernel's name (torch.profiler) and its median
+time over 20 runs (CUDA events, after warm-up). Row-major C[m, n] (+)= A[m, k] @ B[k, n] is called
+as cuBLASLt's column-major C^T = B^T A^T, as cuda/blas.cc does. Needs a GPU, torch and cuBLASLt.
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import glob
+import sys
+
+import torch
+
+# (name, m, n, k, output dtype, beta): the calls of cuda/linear_logp_bwd.cu at the shapes in question
+GEMMS = [
+    ("T1 lean dH piece (fp32 acc)", 796, 2048, 38144, torch.float32, 1.0),
+    ("T1 fast dH", 796, 2048, 75968, torch.bfloat16, 0.0),
+    ("tiny dH h=64 (fp32)", 127, 64, 7013, torch.float32, 0.0),
+    ("T2 lean dH piece (fp32 acc)", 1820, 2048, 16384, torch.float32, 1.0),
+    ("T3 lean dH piece (fp32 acc)", 6827, 2048, 16384, torch.float32, 1.0),
+]
+CUDA_TYPE = {torch.float32: 0, torch.float16: 2, torch.bfloat16: 14}
+COMPUTE_32F, OP_N = 68, 0
+WS_BYTES = 32 << 20
+SZ = ctypes.c_size_t  # size_t arguments must go as 64-bit values
+
+
+class Heuristic(ctypes.Structure):
+    _fields_ = [("algo", ctypes.c_uint64 * 8), ("workspace", ctypes.c_size_t), ("state", ctypes.c_int),
+                ("waves", ctypes.c_float), ("reserved", ctypes.c_int * 4)]
+
+
+def load_lt():
+    paths = sorted(f for p in sys.path for f in glob.glob(p + "/nvidia/*/lib/libcublasLt.so.1*"))
+    return ctypes.CDLL(paths[0] if paths else "libcublasLt.so")
+
+
+def check(status, what):
+    if status != 0:
+        raise RuntimeError(f"cuBLASLt {what}: status {status}")
+
+
+class Gemm:
+    def __init__(self, lt, handle, m, n, k, out_dtype):
+        self.lt, self.handle = lt, handle
+        self.a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        self.b = torch.randn(k, n, device="cuda", dtype=torch.bfloat16)
+        self.c = torch.zeros(m, n, device="cuda", dtype=out_dtype)
+        self.ws = torch.empty(WS_BYTES, device="cuda", dtype=torch.uint8)
+        self.desc, self.lx, self.ly, self.lc = (ctypes.c_void_p() for _ in range(4))
+        check(lt.cublasLtMatmulDescCreate(ctypes.byref(self.desc), COMPUTE_32F, 0), "desc")
+        op = ctypes.c_int(OP_N)
+        for attr in (3, 4):
+            check(lt.cublasLtMatmulDescSetAttribute(self.desc, attr, ctypes.byref(op), SZ(4)), "trans")
+        bf16 = CUDA_TYPE[torch.bfloat16]
+        u64, i64 = ctypes.c_uint64, ctypes.c_int64
+        check(lt.cublasLtMatrixLayoutCreate(ctypes.byref(self.lx), bf16, u64(n), u64(k), i64(n)), "layout B")
+        check(lt.cublasLtMatrixLayoutCreate(ctypes.byref(self.ly), bf16, u64(k), u64(m), i64(k)), "layout A")
+        check(lt.cublasLtMatrixLayoutCreate(ctypes.byref(self.lc), CUDA_TYPE[out_dtype], u64(n), u64(m), i64(n)),
+              "layout C")
+
+    def candidates(self, mask, count):
+        pref = ctypes.c_void_p()
+        check(self.lt.cublasLtMatmulPreferenceCreate(ctypes.byref(pref)), "pref")
+        ws, m = ctypes.c_uint64(WS_BYTES), ctypes.c_uint32(mask)
+        check(self.lt.cublasLtMatmulPreferenceSetAttribute(pref, 1, ctypes.byref(ws), SZ(8)), "pref ws")
+        check(self.lt.cublasLtMatmulPreferenceSetAttribute(pref, 3, ctypes.byref(m), SZ(4)), "pref mask")
+        results, found = (Heuristic * count)(), ctypes.c_int(0)
+        check(self.lt.cublasLtMatmulAlgoGetHeuristic(self.handle, self.desc, self.lx, self.ly, self.lc, self.lc,
+                                                      pref, count, results, ctypes.byref(found)), "heuristic")
+        self.lt.cublasLtMatmulPreferenceDestroy(pref)
+        return [results[i] for i in range(found.value) if results[i].state == 0]
+
+    def config(self, h):
+        out = []
+        for attr in (1, 2, 3, 6):  # TILE_ID, SPLITK_NUM, REDUCTION_SCHEME, STAGES_ID
+            v, written = ctypes.c_uint32(0), ctypes.c_size_t(0)
+            self.lt.cublasLtMatmulAlgoConfigGetAttribute(ctypes.byref(h.algo), attr, ctypes.byref(v), SZ(4),
+                                                         ctypes.byref(written))
+            out.append(v.value)
+        return out
+
+    def run(self, h, beta):
+        alpha, b = ctypes.c_float(1.0), ctypes.c_float(beta)
+        stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
+        check(self.lt.cublasLtMatmul(self.handle, self.desc, ctypes.byref(alpha), ctypes.c_void_p(self.b.data_ptr()),
+                                     self.lx, ctypes.c_void_p(self.a.data_ptr()), self.ly, ctypes.byref(b),
+                                     ctypes.c_void_p(self.c.data_ptr()), self.lc, ctypes.c_void_p(self.c.data_ptr()),
+                                     self.lc, ctypes.byref(h.algo), ctypes.c_void_p(self.ws.data_ptr()),
+                                     ctypes.c_size_t(WS_BYTES), stream), "matmul")
+
+    def time_ms(self, h, beta, reps=20):
+        for _ in range(3):
+            self.run(h, beta)
+        times = []
+        for _ in range(reps):
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            e0.record()
+            self.run(h, beta)
+            e1.record()
+            e1.synchronize()
+            times.append(e0.elapsed_time(e1))
+        return sorted(times)[reps // 2]
+
+    def kernel_name(self, h, beta):
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            self.run(h, beta)
+            torch.cuda.synchronize()
+        names = [e.name for e in prof.events() if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA]
+        return " + ".join(names)[:90] or "?"
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--count", type=int, default=12)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    lt = load_lt()
+    handle = ctypes.c_void_p()
+    check(lt.cublasLtCreate(ctypes.byref(handle)), "create")
+    lines = [f"# cuBLASLt candidates ({torch.cuda.get_device_name()}, torch {torch.__version__})", ""]
+    for name, m, n, k, dt, beta in GEMMS:
+        g = Gemm(lt, handle, m, n, k, dt)
+        flop = 2.0 * m * n * k
+        lines += [f"## {name}: C[{m}, {n}] {str(dt)[6:]} (+)= A[{m}, {k}] B[{k}, {n}], beta {beta}", "",
+                  "| mask | # | tile | splitk | red | stages | waves | ws MB | ms | TFLOP/s | kernel |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
+        for mask in (0, 7):
+            for i, h in enumerate(g.candidates(mask, args.count)):
+                tile, splitk, red, stages = g.config(h)
+                head = f"| {mask} | {i} | {tile} | {splitk} | {red} | {stages} | {h.waves:.2f} | {h.workspace / 2**20:.1f} |"
+                try:
+                    ms = g.time_ms(h, beta)
+                    lines.append(f"{head} {ms:.3f} | {flop / ms * 1e-9:.0f} | {g.kernel_name(h, beta)} |")
+                except RuntimeError as err:
+                    lines.append(f"{head} - | - | {err} |")
+                print(lines[-1], flush=True)
+        lines.append("")
+        del g
+        torch.cuda.empty_cache()
+    text = "\n".join(lines) + "\n"
+    if args.out:
+        open(args.out, "w").write(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
