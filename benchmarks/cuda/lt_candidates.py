@@ -20,7 +20,9 @@ import torch
 
 # (name, m, n, k, output dtype, beta): the calls of cuda/linear_logp_bwd.cu at the shapes in question
 GEMMS = [
-    ("T1 lean dH piece (fp32 acc)", 796, 2048, 38144, torch.float32, 1.0),
+    ("T1 lean dH, half the rows (fp32 acc)", 398, 2048, 75968, torch.float32, 0.0),
+    ("T1 lean dH, all rows (fp32 acc)", 796, 2048, 75968, torch.float32, 0.0),
+    ("796-row dH piece (fp32 acc)", 796, 2048, 38144, torch.float32, 1.0),
     ("T1 fast dH", 796, 2048, 75968, torch.bfloat16, 0.0),
     ("tiny dH h=64 (fp32)", 127, 64, 7013, torch.float32, 0.0),
     ("T2 lean dH piece (fp32 acc)", 1820, 2048, 16384, torch.float32, 1.0),
