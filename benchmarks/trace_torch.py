@@ -10,15 +10,12 @@ from __future__ import annotations
 
 import argparse
 import collections
-import sys
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from bench_gpu import SHAPES  # noqa: E402
-
-import torch_bridge  # noqa: E402
+import torch_bridge
+from rlk_common import SHAPES  # DESIGN.md section 6
 
 STEPS = 3
 

@@ -552,10 +552,12 @@ Status finish_dhidden(const Problem& p, const BwdArgs& a, const LeanLayout& L, c
   return nullptr;
 }
 
-// The tiles of a later sweep (dH alone, in the workspace tile): as many rows as the sweep has,
-// at most a pass's, so the same bytes hold wider pieces, each one fp32 read-modify-write of the
-// sweep's dH rows fewer (L32k's second sweep: 33 pieces instead of 149).
-LeanLayout later_sweep_layout(const Problem& p, LeanLayout L, const DhSweep& sw) {
+// The layout of a sweep: the first's is L itself; a later one's tiles (dH alone, in the workspace
+// tile) take as many rows as the sweep has, at most a pass's, so the same bytes hold wider pieces,
+// each one fp32 read-modify-write of the sweep's dH rows fewer (L32k's second sweep: 33 pieces
+// instead of 149).
+LeanLayout sweep_layout(const Problem& p, LeanLayout L, const DhSweep& sw) {
+  if (sw.r0 == 0) return L;
   const int64_t R = std::min(L.t.R, ceil_to(sw.r1 - sw.r0, 128));
   const int64_t P = std::min({L.t.R * L.t.P / R / 256 * 256, ceil_to(p.v, 256), kLeanMaxPiece});
   L.t.P = std::max(L.t.P, P);
@@ -569,7 +571,7 @@ template <typename T>
 Status lean_sweep(const Problem& p, const BwdArgs& a, const LeanLayout& first, const DhSweep& sw, void* cublas_ws,
                   unsigned char* base, cudaStream_t st) {
   const bool full = sw.r0 == 0;
-  const LeanLayout L = full ? first : later_sweep_layout(p, first, sw);
+  const LeanLayout L = sweep_layout(p, first, sw);
   const int64_t row0 = full ? 0 : sw.r0, row1 = full ? p.n : sw.r1, R = L.t.R;
   const int64_t npass = (row1 - row0 + R - 1) / R;
   const size_t eb = dtype_bytes(p.dtype);
@@ -644,7 +646,7 @@ LeanPlan lean_plan(const Problem& p, bool fused, DType dhidden_dtype) {
     return nullptr;
   });
   for_each_dh_sweep(p, L, dhidden_dtype, [&](const DhSweep& sw) -> Status {
-    const LeanLayout Ls = sw.r0 == 0 ? L : later_sweep_layout(p, L, sw);
+    const LeanLayout Ls = sweep_layout(p, L, sw);
     plan.dh_sweeps.push_back({sw.r0, sw.in, sw.r1, Ls.t.R, Ls.t.P});
     return nullptr;
   });

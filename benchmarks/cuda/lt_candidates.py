@@ -6,7 +6,7 @@ For each GEMM of the backward that matters to the split-K question (docs/benchma
 it asks cuBLASLt's heuristic for up to --count algorithms twice, with reduction scheme NONE only
 (no split-K) and with any scheme, then runs every candidate: its config (tile id, split-k count,
 reduction scheme, stages), the heuristic's waves, the kernel's name (torch.profiler) and its median
-time over 20 runs (CUDA events, after warm-up). Row-major C[m, n] (+)= A[m, k] @ B[k, n] is called
+time (triton's do_bench). Row-major C[m, n] (+)= A[m, k] @ B[k, n] is called
 as cuBLASLt's column-major C^T = B^T A^T, as cuda/blas.cc does. Needs a GPU, torch and cuBLASLt.
 """
 from __future__ import annotations
@@ -17,6 +17,7 @@ import glob
 import sys
 
 import torch
+from triton.testing import do_bench
 
 # (name, m, n, k, output dtype, beta): the calls of cuda/linear_logp_bwd.cu at the shapes in question
 GEMMS = [
@@ -98,18 +99,8 @@ class Gemm:
                                      self.lc, ctypes.byref(h.algo), ctypes.c_void_p(self.ws.data_ptr()),
                                      ctypes.c_size_t(WS_BYTES), stream), "matmul")
 
-    def time_ms(self, h, beta, reps=20):
-        for _ in range(3):
-            self.run(h, beta)
-        times = []
-        for _ in range(reps):
-            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            e0.record()
-            self.run(h, beta)
-            e1.record()
-            e1.synchronize()
-            times.append(e0.elapsed_time(e1))
-        return sorted(times)[reps // 2]
+    def time_ms(self, h, beta):
+        return do_bench(lambda: self.run(h, beta), warmup=10, rep=50, return_mode="median")
 
     def kernel_name(self, h, beta):
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:

@@ -47,14 +47,13 @@ for step in "$@"; do
           python3 benchmarks/cuda/ncu_summary.py $OUT/ncu.csv ;;
     ab) IFS=';' read -ra variants <<< "${AB_DEFS:-}"
         [ -n "${AB_DIR:-}" ] && [ ${#variants[@]} -eq 0 ] && variants=("")
-        src() { [ -f "${AB_DIR:-/nonexistent}/$1.cu" ] && echo "$AB_DIR/$1.cu" || echo "cuda/$1.cu"; }
+        src() { [ -f "${AB_DIR:-/nonexistent}/$1" ] && echo "$AB_DIR/$1" || echo "cuda/$1"; }
         for k in "${!variants[@]}"; do
           A=/tmp/rlkab$k; mkdir -p $A
-          nvcc $FLAGS ${variants[$k]} -gencode=arch=compute_90a,code=sm_90a -c $(src linear_logp_sm90) -o $A/sm90.o &
-          blas=cuda/blas.cc; [ -f "${AB_DIR:-/nonexistent}/blas.cc" ] && blas=$AB_DIR/blas.cc
-          nvcc $FLAGS ${variants[$k]} -c $blas -o $A/blas.o &
+          nvcc $FLAGS ${variants[$k]} -gencode=arch=compute_90a,code=sm_90a -c $(src linear_logp_sm90.cu) -o $A/sm90.o &
+          nvcc $FLAGS ${variants[$k]} -c $(src blas.cc) -o $A/blas.o &
           for f in linear_logp_bwd linear_logp_cuda; do
-            nvcc $FLAGS ${variants[$k]} -gencode=arch=compute_90,code=sm_90 -c $(src $f) -o $A/$f.o &
+            nvcc $FLAGS ${variants[$k]} -gencode=arch=compute_90,code=sm_90 -c $(src $f.cu) -o $A/$f.o &
           done
         done
         wait
