@@ -1,8 +1,8 @@
 #!/bin/bash
 # Build the CUDA backend + its test on the device machine and run: test, sanitizers, bench.
 #   benchmarks/cuda/run_device.sh [test] [san] [bench] [gemm] [ab]   (any subset; logs under $OUT)
-# ab: this tree's kernels against other builds of the three kernel files: AB_DIR (a folder with
-#   other versions of any of linear_logp_sm90.cu, linear_logp_bwd.cu, linear_logp_cuda.cu, e.g.
+# ab: this tree's kernels against other builds of the kernel files: AB_DIR (a folder with other
+#   versions of any of linear_logp_sm90.cu, linear_logp_bwd.cu, linear_logp_cuda.cu, blas.cc, e.g.
 #   `mkdir ab && git show REV:cuda/linear_logp_bwd.cu > ab/linear_logp_bwd.cu` before the run)
 #   and/or AB_DEFS (';'-separated variants, e.g. "-DRLK_SPLIT_COLS=512;-DRLK_SPLIT_COLS=256"), benched
 #   over AB_SHAPES (default T1,T2,T3), all binaries interleaved twice: machines differ by more than
@@ -51,6 +51,8 @@ for step in "$@"; do
         for k in "${!variants[@]}"; do
           A=/tmp/rlkab$k; mkdir -p $A
           nvcc $FLAGS ${variants[$k]} -gencode=arch=compute_90a,code=sm_90a -c $(src linear_logp_sm90) -o $A/sm90.o &
+          blas=cuda/blas.cc; [ -f "${AB_DIR:-/nonexistent}/blas.cc" ] && blas=$AB_DIR/blas.cc
+          nvcc $FLAGS ${variants[$k]} -c $blas -o $A/blas.o &
           for f in linear_logp_bwd linear_logp_cuda; do
             nvcc $FLAGS ${variants[$k]} -gencode=arch=compute_90,code=sm_90 -c $(src $f) -o $A/$f.o &
           done
@@ -58,7 +60,7 @@ for step in "$@"; do
         wait
         for k in "${!variants[@]}"; do
           A=/tmp/rlkab$k
-          nvcc -o $A/lptest $B/test.o $B/blas.o $A/linear_logp_cuda.o $A/linear_logp_bwd.o $A/sm90.o -lcudart -ldl || exit 1
+          nvcc -o $A/lptest $B/test.o $A/blas.o $A/linear_logp_cuda.o $A/linear_logp_bwd.o $A/sm90.o -lcudart -ldl || exit 1
         done
         for r in 1 2; do for v in tree "${!variants[@]}"; do for s in $(echo ${AB_SHAPES:-T1,T2,T3} | tr , ' '); do
           bin=$B/lptest; name=tree
