@@ -45,7 +45,7 @@ constexpr int kComputeF32 = 68;  // CUBLAS_COMPUTE_32F (true fp32, no TF32)
 constexpr int kDescTransA = 3, kDescTransB = 4;
 constexpr int kPrefMaxWorkspace = 1, kPrefReductionMask = 3;
 constexpr int kPrefMinAlignA = 5, kPrefMinAlignB = 6, kPrefMinAlignC = 7, kPrefMinAlignD = 8;
-constexpr uint32_t kReductionNone = 0, kReductionFp32 = 3;  // NONE; INPLACE | COMPUTE_TYPE (fp32 partials)
+constexpr uint32_t kReductionNone = 0, kReductionFp32 = 2;  // NONE; COMPUTE_TYPE (fp32 partials in the workspace)
 
 struct Api {
   CreateFn create = nullptr;
@@ -168,21 +168,24 @@ struct Objects {
 // The algorithm: cuBLASLt's first pick among those that do not split K, so every output element
 // sums its k terms in one pass, in one order, and no split-K partials meet in memory (cuBLAS's
 // split-K kernels are where compute-sanitizer's racecheck reported hazards). Operands too
-// misaligned for any such algorithm take cuBLASLt's first pick among those that reduce in fp32.
+// misaligned for any such algorithm take cuBLASLt's first pick among those that reduce in fp32
+// partials in the workspace (never in the 16-bit output).
 Status pick_algo(const Api& a, DeviceHandle& d, const Key& key, Objects& o, Algo* algo) {
   if (auto it = d.algos.find(key); it != d.algos.end()) return *algo = it->second, nullptr;
   if (a.pref_create(&o.pref) != 0) return "rlk cuda backward: cuBLASLt preference setup failed";
   const uint64_t ws = kWorkspaceBytes;
-  a.pref_set(o.pref, kPrefMaxWorkspace, &ws, sizeof ws);
-  a.pref_set(o.pref, kPrefMinAlignA, &key.align_a, sizeof key.align_a);
-  a.pref_set(o.pref, kPrefMinAlignB, &key.align_b, sizeof key.align_b);
-  a.pref_set(o.pref, kPrefMinAlignC, &key.align_c, sizeof key.align_c);
-  a.pref_set(o.pref, kPrefMinAlignD, &key.align_c, sizeof key.align_c);
+  if (a.pref_set(o.pref, kPrefMaxWorkspace, &ws, sizeof ws) != 0 ||
+      a.pref_set(o.pref, kPrefMinAlignA, &key.align_a, sizeof key.align_a) != 0 ||
+      a.pref_set(o.pref, kPrefMinAlignB, &key.align_b, sizeof key.align_b) != 0 ||
+      a.pref_set(o.pref, kPrefMinAlignC, &key.align_c, sizeof key.align_c) != 0 ||
+      a.pref_set(o.pref, kPrefMinAlignD, &key.align_c, sizeof key.align_c) != 0)
+    return "rlk cuda backward: cuBLASLt preference setup failed";
   for (const uint32_t mask : {kReductionNone, kReductionFp32}) {
-    a.pref_set(o.pref, kPrefReductionMask, &mask, sizeof mask);
+    if (a.pref_set(o.pref, kPrefReductionMask, &mask, sizeof mask) != 0)
+      return "rlk cuda backward: cuBLASLt preference setup failed";
     Heuristic h{};
     int found = 0;
-    if (a.heuristic(d.h, o.desc, o.la, o.lb, o.lc, o.lc, o.pref, 1, &h, &found) == 0 && found > 0) {
+    if (a.heuristic(d.h, o.desc, o.la, o.lb, o.lc, o.lc, o.pref, 1, &h, &found) == 0 && found > 0 && h.state == 0) {
       if (d.algos.size() >= kMaxCachedAlgos) d.algos.clear();
       d.algos.emplace(key, h.algo);
       return *algo = h.algo, nullptr;
