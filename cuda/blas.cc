@@ -4,9 +4,7 @@
 #include <dlfcn.h>
 #include <library_types.h>
 
-#include <cstdio>
 #include <cstdlib>
-#include <cstring>
 #include <map>
 #include <mutex>
 #include <tuple>
@@ -237,11 +235,6 @@ Status gemm(cudaStream_t stream, void* workspace, const Mat& A, bool ta, const M
   std::lock_guard<std::mutex> lock(d->mu);
   Algo algo;
   if (Status s = pick_algo(a, *d, key, o, &algo)) return s;
-  if (getenv("RLK_BLAS_LOG"))
-    fprintf(stderr, "BLASKEY m=%lld n=%lld k=%lld ld=%lld,%lld,%lld op=%d,%d types=%d,%d,%d align=%u,%u,%u beta=%g\n",
-            (long long)key.m, (long long)key.n, (long long)key.k, (long long)key.lda, (long long)key.ldb,
-            (long long)key.ldc, key.ta, key.tb, key.a_type, key.b_type, key.c_type, key.align_a, key.align_b,
-            key.align_c, beta);
   const int st = a.matmul(d->h, o.desc, &alpha, B.ptr, o.la, A.ptr, o.lb, &beta, C, o.lc, C, o.lc, &algo, ws,
                           kWorkspaceBytes, stream);
   return st == 0 ? nullptr : "rlk cuda backward: cublasLtMatmul failed";
