@@ -1,4 +1,4 @@
-// The gradient GEMMs of the CUDA backward run on cuBLAS, bound at run time.
+// The gradient GEMMs of the CUDA backward run on cuBLAS (its cuBLASLt API), bound at run time.
 //
 // Why cuBLAS and not our own wgmma kernels (cuda/linear_logp_sm90.cu): the backward's two
 // gradient GEMMs (dH = dlogit W, dW = dlogit^T H) are plain GEMMs with no fused epilogue left to
@@ -7,15 +7,20 @@
 // wgmma GEMMs plus the transposes they need ran at ~75% of cuBLAS (benchmarks/cuda/NOTES.md).
 // cuBLAS takes the transposed layouts directly.
 //
+// Why cuBLASLt: its heuristics take a reduction-scheme mask. The algorithm is cuBLASLt's first
+// pick among those that do not split K (blas.cc, pick_algo): each output element sums its k terms
+// in one pass, and compute-sanitizer's racecheck, which reported hazards inside cuBLAS's split-K
+// kernels, has nothing to report. The pick is cached per shape, dtypes and operand alignment.
+//
 // Why bound at run time (dlopen), not linked: every process that runs these kernels already has
-// cuBLAS loaded — jax's CUDA plugin and torch both ship and load it — so both frontends call the
+// cuBLASLt loaded — jax's CUDA plugin and torch both ship and load it — so both frontends call the
 // very same library through the very same code here, and the build needs no cuBLAS headers or
 // libraries (CI builds with a bare nvcc). The library already in the process is preferred;
-// otherwise the usual soname search; RLK_CUBLAS_PATH names a file explicitly.
+// otherwise the usual soname search; RLK_CUBLASLT_PATH names a file explicitly.
 //
-// Determinism: cuBLAS gives the same bits on every run for the same shapes, GPU and library
-// version when its workspace is fixed; each call gets kWorkspaceBytes of the caller's scratch and
-// reduced-precision split-K reductions are disallowed.
+// Determinism: cuBLASLt gives the same bits on every run for the same shapes, GPU and library
+// version for a fixed algorithm and workspace; each call gets kWorkspaceBytes of the caller's
+// scratch.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -46,7 +51,7 @@ struct Mat {
 Status gemm(cudaStream_t stream, void* workspace, const Mat& A, bool ta, const Mat& B, bool tb, void* C,
             DType c_dtype, int64_t ldc, float beta);
 
-// Load cuBLAS and create device `device`'s handle now (outside any CUDA-graph capture).
+// Load cuBLASLt and create device `device`'s handle now (outside any CUDA-graph capture).
 Status prepare(int device);
 
 }  // namespace rlk::cuda::blas

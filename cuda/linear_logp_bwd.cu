@@ -226,8 +226,9 @@ Status backward_fast(const Problem& p, const BwdArgs& a, Workspace ws, cudaStrea
 // dhidden cannot hold, the tiles (and the fp32 dW piece accumulator when n takes more than one
 // row pass).
 // - dH sums over the pieces in fp32: in dhidden itself when it is fp32; when it is 16-bit, its
-//   bytes hold the fp32 rows [0, n/2) and the workspace the rest, and finish_dhidden rounds them
-//   once at the end. No [n, h] fp32 buffer exists beyond half of one (128 MiB at L16k).
+//   bytes hold the fp32 rows [0, n/2) and the workspace the rest (all of them while they take at
+//   most kLeanDhWhole), and finish_dhidden rounds them once at the end. No [n, h] fp32 buffer
+//   exists beyond half of one (128 MiB at L16k) or 32 MiB.
 // - Where that half does not fit (n * h * 2 bytes past about 190 MiB: n > 24k at h = 4096), dH
 //   comes in row sweeps (DhSweep). The first sweep is the whole backward (every piece and row:
 //   dW, db, dT) but accumulates dH only for the rows that fit, and rounds them. Each next sweep
@@ -248,6 +249,7 @@ constexpr size_t kLeanTileMax = size_t(144) << 20;  // larger workspace tiles ga
 constexpr size_t kLeanTileMin = size_t(32) << 20;   // the floor where n * h takes the budget
 constexpr int64_t kLeanMinPiece = 1024;             // narrower workspace pieces: take more row passes
 constexpr int64_t kLeanMaxPiece = 16384;            // borrowed pieces, one pass (bounds dzz)
+constexpr size_t kLeanDhWhole = size_t(32) << 20;   // dH's fp32 accumulator all in the workspace up to this
 
 struct LeanTiles {
   int64_t P;      // the workspace tile's piece width
@@ -315,8 +317,14 @@ void lean_place(const Problem& p, LeanLayout& L) {
   L.total = blas::kWorkspaceAlloc + 256 /*tile base alignment*/ + o;
 }
 
-// The fp32 dH rows dhidden's own bytes hold.
-int64_t dh_inside(const Problem& p, DType dh_dtype) { return p.n * int64_t(dtype_bytes(dh_dtype)) / 4; }
+// The fp32 dH rows the first sweep keeps inside dhidden's own bytes: all of an fp32 dhidden;
+// of a 16-bit one, the half it holds, or none while the whole accumulator is small. Halving the
+// rows only saves memory, and a small n's dH GEMM of n/2 rows fills less than a wave of the GPU
+// (T1, 796 rows: cuBLAS then needs split-K to keep its speed).
+int64_t dh_inside(const Problem& p, DType dh_dtype) {
+  if (dtype_bytes(dh_dtype) == 4) return p.n;
+  return size_t(p.n) * p.h * 4 <= kLeanDhWhole ? 0 : p.n * int64_t(dtype_bytes(dh_dtype)) / 4;
+}
 
 // One sweep: the workspace holds every dH row that dhidden cannot, the tiles what is left.
 size_t one_sweep_tiles(const Problem& p, DType dh_dtype) {

@@ -100,6 +100,18 @@ def test_design_shapes_take_one_sweep(name):
     assert sum(r1 - r0 for r0, _, r1 in later) <= 0.05 * n
 
 
+def test_small_dh_accumulator_stays_whole():
+    """While dH's fp32 accumulator takes at most 32 MiB it sits whole in the workspace: one dH GEMM
+    of all n rows per piece (T1's 796 rows halved fill less than a wave of an H200); past that,
+    dhidden's own bytes hold its first half."""
+    for n, h in ((1, 64), (796, 2048), (1820, 2048), (4096, 2048), (2048, 4096)):
+        for fused in (True, False):
+            assert _plan(n, h, 75968, False, fused)["dh_sweeps"] == [(0, 0, n)], (n, h)
+            assert _plan(n, h, 75968, True, fused)["dh_sweeps"] == [(0, n, n)]  # an fp32 dhidden: itself
+    assert _plan(4097, 2048, 75968, False, True)["dh_sweeps"] == [(0, 4097 // 2, 4097)]
+    assert _plan(*SHAPES["T3"], False, True)["dh_sweeps"][0][1] == SHAPES["T3"][0] // 2
+
+
 def test_no_rows_no_plan():
     assert _plan(0, 4096, 1000, dhidden_f32=False, fused=True)["workspace_bytes"] == 0
 

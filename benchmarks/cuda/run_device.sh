@@ -26,11 +26,12 @@ done
 nvcc $FLAGS -gencode=arch=compute_90,code=sm_90 -c cuda/linear_logp_cuda_test.cu -o $B/test.o &
 wait
 nvcc -o $B/lptest $B/test.o $objs -lcudart -ldl 2>&1 | tee $OUT/build.log || { echo BUILD FAILED; exit 1; }
-# The backward's GEMMs are cuBLAS's, loaded at run time (cuda/blas.h): the one jax's CUDA plugin ships.
-export RLK_CUBLAS_PATH=${RLK_CUBLAS_PATH:-$(python3 -c "
+# The backward's GEMMs are cuBLASLt's, loaded at run time (cuda/blas.h): the one jax's CUDA plugin ships.
+export RLK_CUBLASLT_PATH=${RLK_CUBLASLT_PATH:-$(python3 -c "
 import glob, sys
-print(next(iter(sorted(f for p in sys.path for f in glob.glob(p + '/nvidia/*/lib/libcublas.so.1*'))), ''))")}
-echo "cuBLAS: $RLK_CUBLAS_PATH"
+print(next(iter(sorted(f for p in sys.path for f in glob.glob(p + '/nvidia/*/lib/libcublasLt.so.1*'))), ''))")}
+echo "cuBLASLt: $RLK_CUBLASLT_PATH"
+export RLK_CUBLAS_PATH=${RLK_CUBLASLT_PATH/libcublasLt./libcublas.}  # for an A/B against main's GemmEx blas.cc
 echo "built $(date)"
 for step in "$@"; do
   case $step in
