@@ -1,12 +1,13 @@
 """cuBLASLt's candidate algorithms for the backward's GEMMs, each timed and named.
 
-    python benchmarks/cuda/lt_candidates.py [--count 12] [--out FILE.md]
+    python benchmarks/cuda/lt_candidates.py [--count 12] [--out FILE.md] [--l16k]
 
 For each GEMM of the backward that matters to the split-K question (docs/benchmarks.md section 4)
 it asks cuBLASLt's heuristic for up to --count algorithms twice, with reduction scheme NONE only
 (no split-K) and with any scheme, then runs every candidate: its config (tile id, split-k count,
 reduction scheme, stages), the heuristic's waves, the kernel's name (torch.profiler) and its median
-time (triton's do_bench). Row-major C[m, n] (+)= A[m, k] @ B[k, n] is called
+time (triton's do_bench), and whether its output has the same bits as the first candidate's
+(the one cuda/blas.cc runs: same summation order). Row-major C[m, n] (+)= A[m, k] @ B[k, n] is called
 as cuBLASLt's column-major C^T = B^T A^T, as cuda/blas.cc does. Needs a GPU, torch and cuBLASLt.
 """
 from __future__ import annotations
@@ -19,7 +20,8 @@ import sys
 import torch
 from triton.testing import do_bench
 
-# (name, m, n, k, output dtype, beta): the calls of cuda/linear_logp_bwd.cu at the shapes in question
+# (name, m, n, k, output dtype, beta[, layout]): the calls of cuda/linear_logp_bwd.cu at the shapes in
+# question. layout: "A^T" when A is stored [k, m] (dW = dlogit^T H), "B^T" when B is stored [n, k].
 GEMMS = [
     ("T1 lean dH, half the rows (fp32 acc)", 398, 2048, 75968, torch.float32, 0.0),
     ("T1 lean dH, all rows (fp32 acc)", 796, 2048, 75968, torch.float32, 0.0),
@@ -29,8 +31,16 @@ GEMMS = [
     ("T2 lean dH piece (fp32 acc)", 1820, 2048, 16384, torch.float32, 1.0),
     ("T3 lean dH piece (fp32 acc)", 6827, 2048, 16384, torch.float32, 1.0),
 ]
+# The fast path's two gradient GEMMs at L16k, and dW with H transposed first (H^T stored [h, n]:
+# its k = n axis contiguous), the forward's layout for comparison (z = H W^T: both k-contiguous).
+L16K = [
+    ("L16k fast dH = D W", 16384, 4096, 151936, torch.bfloat16, 0.0, ""),
+    ("L16k fast dW = D^T H", 151936, 4096, 16384, torch.bfloat16, 0.0, "A^T"),
+    ("L16k fast dW = D^T (H^T)^T", 151936, 4096, 16384, torch.bfloat16, 0.0, "A^T B^T"),
+    ("L16k z = H W^T", 16384, 151936, 4096, torch.bfloat16, 0.0, "B^T"),
+]
 CUDA_TYPE = {torch.float32: 0, torch.float16: 2, torch.bfloat16: 14}
-COMPUTE_32F, OP_N = 68, 0
+COMPUTE_32F, OP_N, OP_T = 68, 0, 1
 WS_BYTES = 32 << 20
 SZ = ctypes.c_size_t  # size_t arguments must go as 64-bit values
 
@@ -51,21 +61,25 @@ def check(status, what):
 
 
 class Gemm:
-    def __init__(self, lt, handle, m, n, k, out_dtype):
+    def __init__(self, lt, handle, m, n, k, out_dtype, layout=""):
         self.lt, self.handle = lt, handle
-        self.a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-        self.b = torch.randn(k, n, device="cuda", dtype=torch.bfloat16)
+        ta, tb = "A^T" in layout, "B^T" in layout
+        self.a = torch.randn(*((k, m) if ta else (m, k)), device="cuda", dtype=torch.bfloat16)
+        self.b = torch.randn(*((n, k) if tb else (k, n)), device="cuda", dtype=torch.bfloat16)
         self.c = torch.zeros(m, n, device="cuda", dtype=out_dtype)
         self.ws = torch.empty(WS_BYTES, device="cuda", dtype=torch.uint8)
         self.desc, self.lx, self.ly, self.lc = (ctypes.c_void_p() for _ in range(4))
         check(lt.cublasLtMatmulDescCreate(ctypes.byref(self.desc), COMPUTE_32F, 0), "desc")
-        op = ctypes.c_int(OP_N)
-        for attr in (3, 4):
+        # column-major C^T[n, m] = X Y with X = B^T, Y = A^T as stored (cuda/blas.cc)
+        for attr, t in ((3, tb), (4, ta)):
+            op = ctypes.c_int(OP_T if t else OP_N)
             check(lt.cublasLtMatmulDescSetAttribute(self.desc, attr, ctypes.byref(op), SZ(4)), "trans")
         bf16 = CUDA_TYPE[torch.bfloat16]
         u64, i64 = ctypes.c_uint64, ctypes.c_int64
-        check(lt.cublasLtMatrixLayoutCreate(ctypes.byref(self.lx), bf16, u64(n), u64(k), i64(n)), "layout B")
-        check(lt.cublasLtMatrixLayoutCreate(ctypes.byref(self.ly), bf16, u64(k), u64(m), i64(k)), "layout A")
+        xr, xc = (k, n) if tb else (n, k)
+        yr, yc = (m, k) if ta else (k, m)
+        check(lt.cublasLtMatrixLayoutCreate(ctypes.byref(self.lx), bf16, u64(xr), u64(xc), i64(xr)), "layout B")
+        check(lt.cublasLtMatrixLayoutCreate(ctypes.byref(self.ly), bf16, u64(yr), u64(yc), i64(yr)), "layout A")
         check(lt.cublasLtMatrixLayoutCreate(ctypes.byref(self.lc), CUDA_TYPE[out_dtype], u64(n), u64(m), i64(n)),
               "layout C")
 
@@ -99,6 +113,12 @@ class Gemm:
                                      self.lc, ctypes.byref(h.algo), ctypes.c_void_p(self.ws.data_ptr()),
                                      ctypes.c_size_t(WS_BYTES), stream), "matmul")
 
+    def same_bits(self, h, beta, first):
+        """Runs once from C = 1 (so beta's term counts) and says whether C has the bits of `first`."""
+        self.c.fill_(1.0)
+        self.run(h, beta)
+        return "-" if first is None else "yes" if torch.equal(self.c, first) else "no"
+
     def time_ms(self, h, beta):
         return do_bench(lambda: self.run(h, beta), warmup=10, rep=50, return_mode="median")
 
@@ -114,26 +134,31 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--count", type=int, default=12)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--l16k", action="store_true", help="the fast path's GEMMs at L16k instead (mask NONE only)")
     args = ap.parse_args()
     lt = load_lt()
     handle = ctypes.c_void_p()
     check(lt.cublasLtCreate(ctypes.byref(handle)), "create")
     lines = [f"# cuBLASLt candidates ({torch.cuda.get_device_name()}, torch {torch.__version__})", ""]
-    for name, m, n, k, dt, beta in GEMMS:
-        g = Gemm(lt, handle, m, n, k, dt)
+    for name, m, n, k, dt, beta, *layout in (L16K if args.l16k else GEMMS):
+        g = Gemm(lt, handle, m, n, k, dt, *layout)
         flop = 2.0 * m * n * k
         lines += [f"## {name}: C[{m}, {n}] {str(dt)[6:]} (+)= A[{m}, {k}] B[{k}, {n}], beta {beta}", "",
-                  "| mask | # | tile | splitk | red | stages | waves | ws MB | ms | TFLOP/s | kernel |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|"]
-        for mask in (0, 7):
+                  "| mask | # | tile | splitk | red | stages | waves | ws MB | ms | TFLOP/s | bits = #0 | kernel |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        first = None  # the output of the first candidate of mask NONE (what cuda/blas.cc runs)
+        for mask in (0,) if args.l16k else (0, 7):
             for i, h in enumerate(g.candidates(mask, args.count)):
                 tile, splitk, red, stages = g.config(h)
                 head = f"| {mask} | {i} | {tile} | {splitk} | {red} | {stages} | {h.waves:.2f} | {h.workspace / 2**20:.1f} |"
                 try:
+                    same = g.same_bits(h, beta, first)
+                    if first is None:
+                        first = g.c.clone()
                     ms = g.time_ms(h, beta)
-                    lines.append(f"{head} {ms:.3f} | {flop / ms * 1e-9:.0f} | {g.kernel_name(h, beta)} |")
+                    lines.append(f"{head} {ms:.3f} | {flop / ms * 1e-9:.0f} | {same} | {g.kernel_name(h, beta)} |")
                 except RuntimeError as err:
-                    lines.append(f"{head} - | - | {err} |")
+                    lines.append(f"{head} - | - | - | {err} |")
                 print(lines[-1], flush=True)
         lines.append("")
         del g
