@@ -4,10 +4,13 @@
 #include <dlfcn.h>
 #include <library_types.h>
 
+#include <algorithm>
 #include <cstdlib>
+#include <cstring>
 #include <map>
 #include <mutex>
 #include <tuple>
+#include <vector>
 
 namespace rlk::cuda::blas {
 namespace {
@@ -39,6 +42,7 @@ using PrefDestroyFn = int (*)(Pref);
 using HeuristicFn = int (*)(Handle, Desc, Layout, Layout, Layout, Layout, Pref, int, Heuristic*, int*);
 using MatmulFn = int (*)(Handle, Desc, const void*, const void*, Layout, const void*, Layout, const void*, const void*,
                          Layout, void*, Layout, const Algo*, void*, size_t, cudaStream_t);
+using AlgoCheckFn = int (*)(Handle, Desc, Layout, Layout, Layout, Layout, const Algo*, Heuristic*);
 constexpr int kOpN = 0, kOpT = 1;
 constexpr int kComputeF32 = 68;  // CUBLAS_COMPUTE_32F (true fp32, no TF32)
 constexpr int kDescTransA = 3, kDescTransB = 4;
@@ -58,6 +62,7 @@ struct Api {
   PrefDestroyFn pref_destroy = nullptr;
   HeuristicFn heuristic = nullptr;
   MatmulFn matmul = nullptr;
+  AlgoCheckFn algo_check = nullptr;
   const char* error = nullptr;
 };
 
@@ -92,8 +97,9 @@ const Api& api() {
     bind(lib, "cublasLtMatmulPreferenceDestroy", a.pref_destroy);
     bind(lib, "cublasLtMatmulAlgoGetHeuristic", a.heuristic);
     bind(lib, "cublasLtMatmul", a.matmul);
+    bind(lib, "cublasLtMatmulAlgoCheck", a.algo_check);
     if (!a.create || !a.desc_create || !a.desc_set || !a.desc_destroy || !a.layout_create || !a.layout_destroy ||
-        !a.pref_create || !a.pref_set || !a.pref_destroy || !a.heuristic || !a.matmul)
+        !a.pref_create || !a.pref_set || !a.pref_destroy || !a.heuristic || !a.matmul || !a.algo_check)
       a.error = "rlk cuda backward: the loaded cuBLASLt lacks an entry point this build needs (needs cuBLAS >= 11)";
   });
   return a;
@@ -116,7 +122,8 @@ constexpr size_t kMaxCachedAlgos = 4096;  // (n varies from batch to batch: boun
 struct DeviceHandle {
   std::mutex mu;  // one handle per device, shared by threads: its algorithm cache under the lock
   Handle h = nullptr;
-  std::map<Key, Algo> algos;
+  std::map<Key, Algo> algos;  // cuBLASLt's first pick, per exact key
+  std::map<Key, Algo> tuned;  // the tuned pick, per size class (tune_class)
 };
 DeviceHandle g_handles[kMaxDevices];
 
@@ -164,6 +171,31 @@ struct Objects {
   }
 };
 
+// The preference of a call: the workspace it gets and its operands' alignments.
+Status make_pref(const Api& a, const Key& key, Objects& o) {
+  if (o.pref) return nullptr;
+  const uint64_t ws = kWorkspaceBytes;
+  if (a.pref_create(&o.pref) != 0 || a.pref_set(o.pref, kPrefMaxWorkspace, &ws, sizeof ws) != 0 ||
+      a.pref_set(o.pref, kPrefMinAlignA, &key.align_a, sizeof key.align_a) != 0 ||
+      a.pref_set(o.pref, kPrefMinAlignB, &key.align_b, sizeof key.align_b) != 0 ||
+      a.pref_set(o.pref, kPrefMinAlignC, &key.align_c, sizeof key.align_c) != 0 ||
+      a.pref_set(o.pref, kPrefMinAlignD, &key.align_c, sizeof key.align_c) != 0)
+    return "rlk cuda backward: cuBLASLt preference setup failed";
+  return nullptr;
+}
+
+// Up to `count` of cuBLASLt's candidates with reduction scheme `mask`, best guess first.
+int candidates(const Api& a, DeviceHandle& d, Objects& o, uint32_t mask, int count, Heuristic* out) {
+  int found = 0;
+  if (a.pref_set(o.pref, kPrefReductionMask, &mask, sizeof mask) != 0 ||
+      a.heuristic(d.h, o.desc, o.la, o.lb, o.lc, o.lc, o.pref, count, out, &found) != 0)
+    return 0;
+  int usable = 0;
+  for (int i = 0; i < found; ++i)
+    if (out[i].state == 0) out[usable++] = out[i];
+  return usable;
+}
+
 // The algorithm: cuBLASLt's first pick among those that do not split K, so every output element
 // sums its k terms in one pass, in one order, and no split-K partials meet in memory (cuBLAS's
 // split-K kernels are where compute-sanitizer's racecheck reported hazards). Operands too
@@ -171,26 +203,133 @@ struct Objects {
 // partials in the workspace (never in the 16-bit output).
 Status pick_algo(const Api& a, DeviceHandle& d, const Key& key, Objects& o, Algo* algo) {
   if (auto it = d.algos.find(key); it != d.algos.end()) return *algo = it->second, nullptr;
-  if (a.pref_create(&o.pref) != 0) return "rlk cuda backward: cuBLASLt preference setup failed";
-  const uint64_t ws = kWorkspaceBytes;
-  if (a.pref_set(o.pref, kPrefMaxWorkspace, &ws, sizeof ws) != 0 ||
-      a.pref_set(o.pref, kPrefMinAlignA, &key.align_a, sizeof key.align_a) != 0 ||
-      a.pref_set(o.pref, kPrefMinAlignB, &key.align_b, sizeof key.align_b) != 0 ||
-      a.pref_set(o.pref, kPrefMinAlignC, &key.align_c, sizeof key.align_c) != 0 ||
-      a.pref_set(o.pref, kPrefMinAlignD, &key.align_c, sizeof key.align_c) != 0)
-    return "rlk cuda backward: cuBLASLt preference setup failed";
+  if (Status s = make_pref(a, key, o)) return s;
   for (const uint32_t mask : {kReductionNone, kReductionFp32}) {
-    if (a.pref_set(o.pref, kPrefReductionMask, &mask, sizeof mask) != 0)
-      return "rlk cuda backward: cuBLASLt preference setup failed";
     Heuristic h{};
-    int found = 0;
-    if (a.heuristic(d.h, o.desc, o.la, o.lb, o.lc, o.lc, o.pref, 1, &h, &found) == 0 && found > 0 && h.state == 0) {
+    if (candidates(a, d, o, mask, 1, &h) > 0) {
       if (d.algos.size() >= kMaxCachedAlgos) d.algos.clear();
       d.algos.emplace(key, h.algo);
       return *algo = h.algo, nullptr;
     }
   }
   return "rlk cuda backward: cuBLASLt has no algorithm for this GEMM";
+}
+
+// ---- the tuned pick -----------------------------------------------------------------------------
+// The heuristic's first pick can be several percent slower than one of its next candidates: for
+// the fast path's dH at L16k (16384 x 4096, k = 151936) 30.1 to 31.1 ms against 29.3 to 29.5 for
+// the second (benchmarks/cuda/results/lt_l16k_*.md). So a large GEMM (kTuneFlops and up) is timed
+// once per size class with the first kTuneCandidates no-split candidates, on the call's own
+// operands, and the fastest is kept. The bits cannot change with it: a candidate is admitted only
+// if its output has the first pick's bits (every no-split candidate measured so far does: they
+// sum k in the same order; benchmarks/cuda/lt_candidates.py's "bits = #0" column). Only where the
+// timing is safe: beta = 0 (C is only written, so the runs may repeat), a stream not being
+// captured into a CUDA graph (a capture keeps the pick it finds, tuned or first: the same bits),
+// and RLK_BLAS_TUNE not "0". Costs one host synchronization and about 3 x kTuneCandidates runs of
+// the GEMM, once per class; the size class makes a batch whose token count varies from step to
+// step tune a few times, not every step.
+constexpr double kTuneFlops = 1e12;  // about 1.5 ms on an H200: tuning pays off within a few steps
+constexpr int kTuneCandidates = 4;
+constexpr int64_t kSampleRows = 256;  // output rows compared per candidate (evenly spread)
+
+int64_t pow2_ceil(int64_t x) {
+  int64_t p = 1;
+  while (p < x) p <<= 1;
+  return p;
+}
+
+// GEMMs whose dimensions round up to the same powers of two share a tuned pick.
+Key tune_class(Key key) {
+  key.m = pow2_ceil(key.m), key.n = pow2_ceil(key.n), key.k = pow2_ceil(key.k);
+  key.lda = key.ldb = key.ldc = 0;
+  return key;
+}
+
+bool tuning_on() {
+  static const bool on = [] {
+    const char* e = std::getenv("RLK_BLAS_TUNE");
+    return !(e && e[0] == '0');
+  }();
+  return on;
+}
+
+bool not_capturing(cudaStream_t stream) {
+  cudaStreamCaptureStatus cs;
+  return cudaStreamIsCapturing(stream, &cs) == cudaSuccess && cs == cudaStreamCaptureStatusNone;
+}
+
+// One GEMM call, runnable with any algorithm.
+struct Call {
+  const Api& a;
+  DeviceHandle& d;
+  Objects& o;
+  const void *x, *y;  // column-major operands (B', A')
+  void* c;
+  int64_t c_rows, c_cols, ldc, c_bytes;  // row-major C as the caller sees it; element size
+  float beta;
+  void* ws;
+  cudaStream_t stream;
+  int run(const Algo& algo) const {
+    const float alpha = 1.f;
+    return a.matmul(d.h, o.desc, &alpha, x, o.la, y, o.lb, &beta, c, o.lc, c, o.lc, &algo, ws, kWorkspaceBytes, stream);
+  }
+  bool fits(const Algo& algo) const {
+    Heuristic h{};
+    return a.algo_check(d.h, o.desc, o.la, o.lb, o.lc, o.lc, &algo, &h) == 0 && h.workspace_bytes <= kWorkspaceBytes;
+  }
+  // Every (c_rows / kSampleRows)-th row of C, on the host (after the stream's work).
+  bool sample(std::vector<unsigned char>& out) const {
+    const int64_t step = std::max<int64_t>(1, c_rows / kSampleRows), rows = (c_rows + step - 1) / step;
+    out.resize(size_t(rows * c_cols * c_bytes));
+    return cudaMemcpy2DAsync(out.data(), size_t(c_cols * c_bytes), c, size_t(step * ldc * c_bytes),
+                             size_t(c_cols * c_bytes), size_t(rows), cudaMemcpyDeviceToHost, stream) == cudaSuccess &&
+           cudaStreamSynchronize(stream) == cudaSuccess;
+  }
+};
+
+// Milliseconds of two runs after a warm one, or a negative number if a run failed.
+float time_runs(const Call& call, const Algo& algo, cudaEvent_t start, cudaEvent_t stop) {
+  if (call.run(algo) != 0 || cudaEventRecord(start, call.stream) != cudaSuccess || call.run(algo) != 0 ||
+      call.run(algo) != 0 || cudaEventRecord(stop, call.stream) != cudaSuccess || cudaEventSynchronize(stop) != cudaSuccess)
+    return -1.f;
+  float ms = 0.f;
+  return cudaEventElapsedTime(&ms, start, stop) == cudaSuccess ? ms : -1.f;
+}
+
+// The fastest candidate with the first pick's bits; `first` if none is faster or anything fails.
+Algo tune(const Call& call, const Key& key, const Algo& first) {
+  Heuristic h[kTuneCandidates];
+  if (make_pref(call.a, key, call.o) != nullptr) return first;
+  const int found = candidates(call.a, call.d, call.o, kReductionNone, kTuneCandidates, h);
+  cudaEvent_t start = nullptr, stop = nullptr;
+  if (cudaEventCreate(&start) != cudaSuccess || cudaEventCreate(&stop) != cudaSuccess) {
+    if (start) cudaEventDestroy(start);
+    return first;
+  }
+  Algo best = first;
+  std::vector<unsigned char> ref, out;
+  float best_ms = time_runs(call, first, start, stop);
+  if (best_ms < 0.f || !call.sample(ref)) best_ms = -1.f;
+  for (int i = 0; i < found && best_ms >= 0.f; ++i) {
+    if (std::memcmp(&h[i].algo, &first, sizeof first) == 0) continue;
+    const float ms = time_runs(call, h[i].algo, start, stop);
+    if (ms >= 0.f && ms < best_ms && call.sample(out) && out == ref) best = h[i].algo, best_ms = ms;
+  }
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  return best;
+}
+
+// The algorithm this call runs: the tuned one of its size class where tuning applies.
+Algo choose(const Call& call, const Key& key, const Algo& first) {
+  if (!tuning_on() || call.beta != 0.f || 2.0 * double(key.m) * double(key.n) * double(key.k) < kTuneFlops)
+    return first;
+  const Key cls = tune_class(key);
+  if (auto it = call.d.tuned.find(cls); it != call.d.tuned.end()) return call.fits(it->second) ? it->second : first;
+  if (!not_capturing(call.stream)) return first;
+  const Algo best = tune(call, key, first);
+  call.d.tuned.emplace(cls, best);
+  return best;
 }
 
 }  // namespace
@@ -230,14 +369,12 @@ Status gemm(cudaStream_t stream, void* workspace, const Mat& A, bool ta, const M
       a.layout_create(&o.lb, cuda_type(A.dtype), ta ? m : k, ta ? k : m, A.ld) != 0 ||
       a.layout_create(&o.lc, cuda_type(c_dtype), n, m, ldc) != 0)
     return "rlk cuda backward: cuBLASLt descriptor setup failed";
-  const float alpha = 1.f;
   void* ws = reinterpret_cast<void*>((reinterpret_cast<uintptr_t>(workspace) + 255) & ~uintptr_t(255));
   std::lock_guard<std::mutex> lock(d->mu);
-  Algo algo;
-  if (Status s = pick_algo(a, *d, key, o, &algo)) return s;
-  const int st = a.matmul(d->h, o.desc, &alpha, B.ptr, o.la, A.ptr, o.lb, &beta, C, o.lc, C, o.lc, &algo, ws,
-                          kWorkspaceBytes, stream);
-  return st == 0 ? nullptr : "rlk cuda backward: cublasLtMatmul failed";
+  Algo first;
+  if (Status s = pick_algo(a, *d, key, o, &first)) return s;
+  const Call call{a, *d, o, B.ptr, A.ptr, C, m, n, ldc, int64_t(dtype_bytes(c_dtype)), beta, ws, stream};
+  return call.run(choose(call, key, first)) == 0 ? nullptr : "rlk cuda backward: cublasLtMatmul failed";
 }
 
 }  // namespace rlk::cuda::blas

@@ -183,14 +183,40 @@ def test_provider_strict_cuda_route():
     assert r.backend_id in ("rlk.cuda_sm90", "rlk.cuda_portable") and r.logp.device.type == "cuda"
 
 
+def _run_helper(fn, tmp_path, **env):
+    """torch_helpers.fn(tmp_path/in.npz, tmp_path/out.npz) in a fresh interpreter with `env` added."""
+    import subprocess
+    import sys
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, **env,
+               PYTHONPATH=os.pathsep.join([os.path.dirname(here), here, os.environ.get("PYTHONPATH", "")]))
+    r = subprocess.run([sys.executable, "-c", f"import torch_helpers; torch_helpers.{fn}({str(tmp_path / 'in.npz')!r}, "
+                        f"{str(tmp_path / 'out.npz')!r})"], cwd=here, env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, f"{fn} failed (rc {r.returncode}): {r.stderr[-3000:]}"
+    return dict(np.load(tmp_path / "out.npz"))
+
+
+def test_tuned_gemm_pick_keeps_the_bits(tmp_path):
+    """Above cuda/blas.cc's kTuneFlops the gradient GEMMs are timed once with a few cuBLASLt
+    candidates and the fastest is kept: only among those with the first pick's bits. dH and dW
+    here (2 x 2048 x 2048 x 131072 flops each, above the 1e12 threshold) must equal those of a
+    process that never tunes (RLK_BLAS_TUNE=0)."""
+    n, h, v, real = 2048, 2048, 131072, 131000
+    d, kw, g, e = make_inputs(21, n, h, v, "bfloat16", ignore_frac=0.1, real_vocab=real, device=CUDA)
+    torch_helpers.save_inputs(tmp_path / "in.npz", d, kw, g, e, "bfloat16", real)
+    tuned = _run_helper("torch_fast_side", tmp_path)
+    first_pick = _run_helper("torch_fast_side", tmp_path, RLK_BLAS_TUNE="0")
+    for k in ("logp", "ent", "hidden", "weight"):
+        np.testing.assert_array_equal(tuned[k], first_pick[k], err_msg=k)
+
+
 # ---- parity with rlk_xla: the same kernels, the same bits -----------------------------------------
 
 @pytest.mark.parametrize("dtype,bias,temp", [("bfloat16", True, "array"), ("float16", False, "scalar"),
                                              ("float32", True, None)])
 def test_bitwise_equal_to_rlk_xla(dtype, bias, temp, tmp_path):
     import importlib.util
-    import subprocess
-    import sys
     if importlib.util.find_spec("jax") is None:
         pytest.skip("jax is not installed")
     n, h, v, real = 777, 256, 8192, 8100
@@ -198,13 +224,7 @@ def test_bitwise_equal_to_rlk_xla(dtype, bias, temp, tmp_path):
                               device=CUDA)
     ours = dict(zip(["logp", "ent", "hidden", "weight", "bias", "temperature"], _fwd_grads(d, kw, g, e)))
     torch_helpers.save_inputs(tmp_path / "in.npz", d, kw, g, e, dtype, real)
-    here = os.path.dirname(os.path.abspath(__file__))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(here), here, os.environ.get("PYTHONPATH", "")]))
-    r = subprocess.run([sys.executable, "-c", f"import torch_helpers; torch_helpers.jax_side({str(tmp_path / 'in.npz')!r}, "
-                        f"{str(tmp_path / 'out.npz')!r})"], cwd=here, env=env, capture_output=True, text=True,
-                       timeout=300)
-    assert r.returncode == 0, f"the rlk_xla side failed (rc {r.returncode}): {r.stderr[-3000:]}"
-    theirs = dict(np.load(tmp_path / "out.npz"))
+    theirs = _run_helper("jax_side", tmp_path)
     if str(theirs.pop("backend")) != "gpu":
         pytest.skip("jax has no GPU backend here")
     for k, x in theirs.items():

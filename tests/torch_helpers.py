@@ -178,6 +178,21 @@ def save_inputs(path, d, kw, g, e, dtype, real_vocab):
     np.savez(path, **z)
 
 
+def torch_fast_side(path_in, path_out):
+    """torch_bridge's logp, entropy, dH and dW with backward="fast" for the inputs saved in path_in
+    (npz, no bias or temperature array), written to path_out: run in a subprocess with another
+    environment (RLK_BLAS_TUNE) by the GPU test of the tuned GEMM pick."""
+    import torch_bridge
+    z = dict(np.load(path_in))
+    dt = DTYPES[str(z["dtype"])]
+    h, w = (torch.tensor(z[k], dtype=dt, device="cuda").requires_grad_(True) for k in ("hidden", "weight"))
+    t, g, e = (torch.tensor(z[k], device="cuda") for k in ("targets", "g", "e"))
+    logp, ent = torch_bridge.linear_logp(h, w, t, return_entropy=True, real_vocab_size=int(z["real_vocab"]),
+                                         backward="fast")
+    ((logp.nan_to_num() * g).sum() + (ent.nan_to_num() * e).sum()).backward()
+    np.savez(path_out, **{k: to_np(x) for k, x in dict(logp=logp, ent=ent, hidden=h.grad, weight=w.grad).items()})
+
+
 def jax_side(path_in, path_out):
     """rlk_xla's logp, entropy and gradients for the inputs saved in path_in (npz), written to
     path_out: run in a subprocess by the GPU parity test, so that a crash of the JAX side is a test
