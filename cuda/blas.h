@@ -11,6 +11,9 @@
 // pick among those that do not split K (blas.cc, pick_algo): each output element sums its k terms
 // in one pass, and compute-sanitizer's racecheck, which reported hazards inside cuBLAS's split-K
 // kernels, has nothing to report. The pick is cached per shape, dtypes and operand alignment.
+// A large GEMM (blas.cc, kTuneFlops) instead runs the fastest of the first few such candidates
+// that give the first pick's bits, timed once per size class on the call's own operands
+// (blas.cc, "the tuned pick"; RLK_BLAS_TUNE=0 keeps the first pick everywhere).
 //
 // Why bound at run time (dlopen), not linked: every process that runs these kernels already has
 // cuBLASLt loaded — jax's CUDA plugin and torch both ship and load it — so both frontends call the
@@ -20,7 +23,8 @@
 //
 // Determinism: cuBLASLt gives the same bits on every run for the same shapes, GPU and library
 // version for a fixed algorithm and workspace; each call gets kWorkspaceBytes of the caller's
-// scratch.
+// scratch. The tuned pick cannot change the bits: it admits only candidates whose output equals
+// the first pick's.
 #pragma once
 
 #include <cuda_runtime.h>
