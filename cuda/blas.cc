@@ -253,9 +253,10 @@ bool tuning_on() {
   return on;
 }
 
-bool not_capturing(cudaStream_t stream) {
+// True while `stream` is being captured into a CUDA graph (or when that cannot be told).
+bool capturing(cudaStream_t stream) {
   cudaStreamCaptureStatus cs;
-  return cudaStreamIsCapturing(stream, &cs) == cudaSuccess && cs == cudaStreamCaptureStatusNone;
+  return cudaStreamIsCapturing(stream, &cs) != cudaSuccess || cs != cudaStreamCaptureStatusNone;
 }
 
 // One GEMM call, runnable with any algorithm.
@@ -297,6 +298,7 @@ float time_runs(const Call& call, const Algo& algo, cudaEvent_t start, cudaEvent
 }
 
 // The fastest candidate with the first pick's bits; `first` if none is faster or anything fails.
+// C is left with the last candidate's output: gemm() then runs the one chosen.
 Algo tune(const Call& call, const Key& key, const Algo& first) {
   Heuristic h[kTuneCandidates];
   if (make_pref(call.a, key, call.o) != nullptr) return first;
@@ -326,7 +328,7 @@ Algo choose(const Call& call, const Key& key, const Algo& first) {
     return first;
   const Key cls = tune_class(key);
   if (auto it = call.d.tuned.find(cls); it != call.d.tuned.end()) return call.fits(it->second) ? it->second : first;
-  if (!not_capturing(call.stream)) return first;
+  if (capturing(call.stream)) return first;
   const Algo best = tune(call, key, first);
   call.d.tuned.emplace(cls, best);
   return best;
