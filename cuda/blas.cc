@@ -110,10 +110,11 @@ struct Key {
   int64_t m, n, k, lda, ldb, ldc;
   int ta, tb, a_type, b_type, c_type;
   uint32_t align_a, align_b, align_c;
+  bool accumulate;  // beta != 0 (only a call with beta = 0 may be tuned)
   bool operator<(const Key& o) const {
-    return std::tie(m, n, k, lda, ldb, ldc, ta, tb, a_type, b_type, c_type, align_a, align_b, align_c) <
+    return std::tie(m, n, k, lda, ldb, ldc, ta, tb, a_type, b_type, c_type, align_a, align_b, align_c, accumulate) <
            std::tie(o.m, o.n, o.k, o.lda, o.ldb, o.ldc, o.ta, o.tb, o.a_type, o.b_type, o.c_type, o.align_a, o.align_b,
-                    o.align_c);
+                    o.align_c, o.accumulate);
   }
 };
 
@@ -122,7 +123,7 @@ constexpr size_t kMaxCachedAlgos = 4096;  // (n varies from batch to batch: boun
 struct DeviceHandle {
   std::mutex mu;  // one handle per device, shared by threads: its algorithm cache under the lock
   Handle h = nullptr;
-  std::map<Key, Algo> algos;  // cuBLASLt's first pick, per exact key
+  std::map<Key, Algo> algos;  // the algorithm each exact key runs (first_pick, then choose)
   std::map<Key, Algo> tuned;  // the tuned pick, per size class (tune_class)
 };
 DeviceHandle g_handles[kMaxDevices];
@@ -201,16 +202,11 @@ int candidates(const Api& a, DeviceHandle& d, Objects& o, uint32_t mask, int cou
 // split-K kernels are where compute-sanitizer's racecheck reported hazards). Operands too
 // misaligned for any such algorithm take cuBLASLt's first pick among those that reduce in fp32
 // partials in the workspace (never in the 16-bit output).
-Status pick_algo(const Api& a, DeviceHandle& d, const Key& key, Objects& o, Algo* algo) {
-  if (auto it = d.algos.find(key); it != d.algos.end()) return *algo = it->second, nullptr;
+Status first_pick(const Api& a, DeviceHandle& d, const Key& key, Objects& o, Algo* algo) {
   if (Status s = make_pref(a, key, o)) return s;
   for (const uint32_t mask : {kReductionNone, kReductionFp32}) {
     Heuristic h{};
-    if (candidates(a, d, o, mask, 1, &h) > 0) {
-      if (d.algos.size() >= kMaxCachedAlgos) d.algos.clear();
-      d.algos.emplace(key, h.algo);
-      return *algo = h.algo, nullptr;
-    }
+    if (candidates(a, d, o, mask, 1, &h) > 0) return *algo = h.algo, nullptr;
   }
   return "rlk cuda backward: cuBLASLt has no algorithm for this GEMM";
 }
@@ -298,10 +294,10 @@ float time_runs(const Call& call, const Algo& algo, cudaEvent_t start, cudaEvent
 }
 
 // The fastest candidate with the first pick's bits; `first` if none is faster or anything fails.
-// C is left with the last candidate's output: gemm() then runs the one chosen.
-Algo tune(const Call& call, const Key& key, const Algo& first) {
+// C is left with the last candidate's output: gemm() then runs the one chosen. `first` comes from
+// first_pick, whose preference (make_pref) the call's Objects already hold.
+Algo tune(const Call& call, const Algo& first) {
   Heuristic h[kTuneCandidates];
-  if (make_pref(call.a, key, call.o) != nullptr) return first;
   const int found = candidates(call.a, call.d, call.o, kReductionNone, kTuneCandidates, h);
   cudaEvent_t start = nullptr, stop = nullptr;
   if (cudaEventCreate(&start) != cudaSuccess || cudaEventCreate(&stop) != cudaSuccess) {
@@ -322,16 +318,26 @@ Algo tune(const Call& call, const Key& key, const Algo& first) {
   return best;
 }
 
-// The algorithm this call runs: the tuned one of its size class where tuning applies.
-Algo choose(const Call& call, const Key& key, const Algo& first) {
-  if (!tuning_on() || call.beta != 0.f || 2.0 * double(key.m) * double(key.n) * double(key.k) < kTuneFlops)
-    return first;
-  const Key cls = tune_class(key);
-  if (auto it = call.d.tuned.find(cls); it != call.d.tuned.end()) return call.fits(it->second) ? it->second : first;
-  if (capturing(call.stream)) return first;
-  const Algo best = tune(call, key, first);
-  call.d.tuned.emplace(cls, best);
-  return best;
+// The algorithm of an exact key, chosen once: the tuned one of its size class where tuning
+// applies, else the first pick. A key met first inside a graph capture runs the first pick there
+// and is chosen for good at its first call outside one.
+Status choose(const Call& call, const Key& key, Algo* algo) {
+  DeviceHandle& d = call.d;
+  if (auto it = d.algos.find(key); it != d.algos.end()) return *algo = it->second, nullptr;
+  if (Status s = first_pick(call.a, d, key, call.o, algo)) return s;
+  if (tuning_on() && !key.accumulate && 2.0 * double(key.m) * double(key.n) * double(key.k) >= kTuneFlops) {
+    const Key cls = tune_class(key);
+    if (auto it = d.tuned.find(cls); it != d.tuned.end()) {
+      if (call.fits(it->second)) *algo = it->second;
+    } else if (capturing(call.stream)) {
+      return nullptr;  // not cached: tuned outside the capture
+    } else {
+      *algo = d.tuned.emplace(cls, tune(call, *algo)).first->second;
+    }
+  }
+  if (d.algos.size() >= kMaxCachedAlgos) d.algos.clear();
+  d.algos.emplace(key, *algo);
+  return nullptr;
 }
 
 }  // namespace
@@ -363,7 +369,7 @@ Status gemm(cudaStream_t stream, void* workspace, const Mat& A, bool ta, const M
   // column-major operands: X = B' (n x k), Y = A' (k x m), as stored: B is (tb ? n x k : k x n)
   const int op_x = tb ? kOpT : kOpN, op_y = ta ? kOpT : kOpN;
   const Key key{n, m, k, B.ld, A.ld, ldc, op_x, op_y, int(cuda_type(B.dtype)), int(cuda_type(A.dtype)),
-                int(cuda_type(c_dtype)), alignment(B.ptr), alignment(A.ptr), alignment(C)};
+                int(cuda_type(c_dtype)), alignment(B.ptr), alignment(A.ptr), alignment(C), beta != 0.f};
   Objects o{a};
   if (a.desc_create(&o.desc, kComputeF32, CUDA_R_32F) != 0 ||
       a.desc_set(o.desc, kDescTransA, &op_x, sizeof op_x) != 0 || a.desc_set(o.desc, kDescTransB, &op_y, sizeof op_y) != 0 ||
@@ -373,10 +379,10 @@ Status gemm(cudaStream_t stream, void* workspace, const Mat& A, bool ta, const M
     return "rlk cuda backward: cuBLASLt descriptor setup failed";
   void* ws = reinterpret_cast<void*>((reinterpret_cast<uintptr_t>(workspace) + 255) & ~uintptr_t(255));
   std::lock_guard<std::mutex> lock(d->mu);
-  Algo first;
-  if (Status s = pick_algo(a, *d, key, o, &first)) return s;
   const Call call{a, *d, o, B.ptr, A.ptr, C, m, n, ldc, int64_t(dtype_bytes(c_dtype)), beta, ws, stream};
-  return call.run(choose(call, key, first)) == 0 ? nullptr : "rlk cuda backward: cublasLtMatmul failed";
+  Algo algo;
+  if (Status s = choose(call, key, &algo)) return s;
+  return call.run(algo) == 0 ? nullptr : "rlk cuda backward: cublasLtMatmul failed";
 }
 
 }  // namespace rlk::cuda::blas

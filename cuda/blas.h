@@ -8,7 +8,7 @@
 // cuBLAS takes the transposed layouts directly.
 //
 // Why cuBLASLt: its heuristics take a reduction-scheme mask. The algorithm is cuBLASLt's first
-// pick among those that do not split K (blas.cc, pick_algo): each output element sums its k terms
+// pick among those that do not split K (blas.cc, first_pick): each output element sums its k terms
 // in one pass, and compute-sanitizer's racecheck, which reported hazards inside cuBLAS's split-K
 // kernels, has nothing to report. The pick is cached per shape, dtypes and operand alignment.
 // A large GEMM (blas.cc, kTuneFlops) instead runs the fastest of the first few such candidates
