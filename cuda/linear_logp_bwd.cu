@@ -127,8 +127,7 @@ __global__ void __launch_bounds__(kRowThreads) dlogit_kernel(DlogitParams q) {
       float z = x[k];
       if (q.raw) z = (z + (q.bias && c0 + k < q.cols ? q.bias[c0 + k] : 0.f)) * it;
       const bool live = k < nlive && z > -INFINITY;  // (-inf: a logit masked by the bias)
-      const float p = __expf(z - lse);
-      const float dz = live ? g * ((k == kt ? 1.f : 0.f) - p) + e * p * (lse - ent - z) : 0.f;
+      const float dz = live ? dz_of(z, __expf(z - lse), k == kt, lse, ent, g, e) : 0.f;
       if (live) dzz = fmaf(dz, z, dzz);
       x[k] = dz * it;
     }

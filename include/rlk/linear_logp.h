@@ -130,9 +130,9 @@ RLK_HD RowResult combine_row(const float* stats, int64_t k, float target_logit, 
   return r;
 }
 
-// dz for one logit z of row i (not padding), given the row's lse, entropy and upstream grads.
-RLK_HD float dz_of(float z, bool is_target, float lse, float ent, float g, float e) {
-  const float p = expf(z - lse);
+// dz for one logit z of row i (not padding), given p = exp(z - lse) (from whichever exp the
+// caller affords), the row's lse, entropy and upstream grads.
+RLK_HD float dz_of(float z, float p, bool is_target, float lse, float ent, float g, float e) {
   return g * ((is_target ? 1.f : 0.f) - p) + e * p * (lse - ent - z);
 }
 
