@@ -31,7 +31,6 @@ export RLK_CUBLASLT_PATH=${RLK_CUBLASLT_PATH:-$(python3 -c "
 import glob, sys
 print(next(iter(sorted(f for p in sys.path for f in glob.glob(p + '/nvidia/*/lib/libcublasLt.so.1*'))), ''))")}
 echo "cuBLASLt: $RLK_CUBLASLT_PATH"
-export RLK_CUBLAS_PATH=${RLK_CUBLASLT_PATH/libcublasLt./libcublas.}  # for an A/B against main's GemmEx blas.cc
 echo "built $(date)"
 for step in "$@"; do
   case $step in
