@@ -34,8 +34,9 @@ echo "cuBLASLt: $RLK_CUBLASLT_PATH"
 echo "built $(date)"
 for step in "$@"; do
   case $step in
-    test) timeout 300 $B/lptest 2>&1 | tee $OUT/test.log ;;
-    quick) timeout 150 $B/lptest --quick 2>&1 | tee $OUT/test.log ;;
+    # a failing (or hanging) lptest stops the run: nothing after it would mean anything
+    test) timeout 300 $B/lptest 2>&1 | tee $OUT/test.log || { echo "lptest failed: stopping"; exit 1; } ;;
+    quick) timeout 150 $B/lptest --quick 2>&1 | tee $OUT/test.log || { echo "lptest failed: stopping"; exit 1; } ;;
     san) # keep every hazard's kernel names, then the summary
          for tool in memcheck racecheck; do
            timeout 200 compute-sanitizer --tool $tool --print-limit 5 $B/lptest --tiny > /tmp/san_$tool.log 2>&1
