@@ -20,7 +20,7 @@ Results go to OUT/benchmarks.json after every shape, with the table and plots of
     python benchmarks/bench_gpu.py --skip-accuracy     # no float64 gradients (faster)
     python benchmarks/bench_gpu.py --repeat 3          # this project's paths timed 3 times in turn: medians
 
-Times: torch paths with triton.testing.do_bench (median, CUDA events); JAX paths with wall time
+Times: torch paths with triton.testing.do_bench (median of at least 10 timed calls, CUDA events); JAX paths with wall time
 per call as the difference between k and 2k calls issued back to back, each ending in one
 block_until_ready (median of 10; rlk_xla.cli.time_ms), so that neither frontend's host latency
 counts (../shared/anchors timed single JAX calls). Python's garbage collector is paused while
@@ -41,6 +41,7 @@ import json
 import os
 import statistics
 import sys
+import time
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # JAX and torch share the GPU here
 
@@ -152,6 +153,19 @@ def torch_paths():
 
 # ---- the frontends: how a path is timed, weighed and differentiated ----
 
+def bench_ms(fn):
+    """do_bench's median over at least 10 timed calls. Its rep is a time (150 ms by default), so a
+    95 ms step (L16k) was timed by one call: in four runs of 2026-12-01 the first torch_bridge
+    fast sample at L16k took 107 to 110 ms and each later one 92 to 96."""
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    one_ms = (time.perf_counter() - t0) * 1e3
+    return do_bench(fn, warmup=max(25, 2 * one_ms), rep=max(150, 10 * one_ms), return_mode="median")
+
+
 class Torch:
     name = "torch"
 
@@ -160,7 +174,7 @@ class Torch:
         """(median ms, logp) of fn without autograd."""
         with torch.no_grad():
             logp = fn(h, w, t).float()
-            return do_bench(lambda: fn(h, w, t), warmup=25, rep=150, return_mode="median"), logp
+            return bench_ms(lambda: fn(h, w, t)), logp
 
     @staticmethod
     def fwd_bwd(fn, h, w, t, g):
@@ -179,7 +193,7 @@ class Torch:
         torch.cuda.synchronize()
         mem_mb = (torch.cuda.max_memory_allocated() - base) / 2 ** 20
         reserved_mb = (torch.cuda.max_memory_reserved() - base_reserved) / 2 ** 20
-        return do_bench(step, warmup=25, rep=150, return_mode="median"), mem_mb, reserved_mb
+        return bench_ms(step), mem_mb, reserved_mb
 
     @staticmethod
     def grads(fn, h, w, t, g):
@@ -329,7 +343,7 @@ def bench_shape(name, paths, accuracy, progress, repeat=1):
     n, hd, v = SHAPES[name]
     case = make_case(n, hd, v, accuracy)
     with torch.no_grad():
-        gemm_ms = do_bench(lambda: case.h @ case.w.t(), warmup=50, rep=300, return_mode="median")
+        gemm_ms = bench_ms(lambda: case.h @ case.w.t())
     results, fwd_cache = {}, {}
     for label, (frontend, fwd, train) in paths.items():
         results[label] = measure(frontend, fwd, train, case, fwd_cache)
