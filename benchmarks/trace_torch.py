@@ -1,6 +1,6 @@
 """Where a torch_bridge step's time goes: torch.profiler over a few steps, per shape and backward
 strategy. For each: the step's time three ways (CUDA events synced per step; 10 steps back to back;
-triton's do_bench, as bench_gpu.py times it), the GPU kernel time per step, the kernels grouped by
+bench_gpu.bench_ms, as bench_gpu.py times it), the GPU kernel time per step, the kernels grouped by
 name, the largest idle gaps between kernels, the slowest host calls, and with --host cProfile's
 view of the host side.
 
@@ -15,6 +15,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import torch_bridge
+from bench_gpu import bench_ms  # (this script's folder is on sys.path)
 from rlk_common import SHAPES  # DESIGN.md section 6
 
 STEPS = 3
@@ -85,11 +86,10 @@ def trace(step):
 
 def report(name, path, step, host):
     """One path's breakdown: a heading with its times, the kernels, the gaps, the host calls."""
-    from triton.testing import do_bench
     for _ in range(3):
         step()
     synced, b2b = event_ms(step), event_ms(step, 5, 10)
-    bench = do_bench(step, warmup=25, rep=150, return_mode="median")
+    bench = bench_ms(step)
     gpu, cpu = trace(step)
     busy = sum(e - s for s, e, _ in gpu) / 1e3 / STEPS
     print(f"\n## {name} {path}\n\nms per step: synced {synced:.3f}, 10 back to back {b2b:.3f}, do_bench {bench:.3f}; "

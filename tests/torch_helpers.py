@@ -185,12 +185,12 @@ def torch_fast_side(path_in, path_out):
     import torch_bridge
     z = dict(np.load(path_in))
     dt = DTYPES[str(z["dtype"])]
-    h, w = (torch.tensor(z[k], dtype=dt, device="cuda").requires_grad_(True) for k in ("hidden", "weight"))
-    t, g, e = (torch.tensor(z[k], device="cuda") for k in ("targets", "g", "e"))
-    logp, ent = torch_bridge.linear_logp(h, w, t, return_entropy=True, real_vocab_size=int(z["real_vocab"]),
-                                         backward="fast")
-    ((logp.nan_to_num() * g).sum() + (ent.nan_to_num() * e).sum()).backward()
-    np.savez(path_out, **{k: to_np(x) for k, x in dict(logp=logp, ent=ent, hidden=h.grad, weight=w.grad).items()})
+    d = {k: torch.tensor(z[k], dtype=dt, device="cuda") for k in ("hidden", "weight")}
+    d["targets"] = torch.tensor(z["targets"], device="cuda")
+    g, e = (torch.tensor(z[k], device="cuda") for k in ("g", "e"))
+    logp, ent, grads = value_and_grads(torch_bridge.linear_logp, d, dict(real_vocab_size=int(z["real_vocab"])), g, e,
+                                       backward="fast")
+    np.savez(path_out, **{k: to_np(x) for k, x in dict(logp=logp, ent=ent, **grads).items()})
 
 
 def jax_side(path_in, path_out):
