@@ -8,7 +8,7 @@
 #   benchpar one bench_gpu.py per GPU at once, GPU k taking the k-th ';'-separated shape list of
 #            BENCH_SPLIT (e.g. "L16k,T1;T3,H200-pub"); results in $OUT/bench.tgz (gpuK/ folders)
 #   trace    benchmarks/trace_torch.py (env TRACE_ARGS): where a torch_bridge step's GPU time goes
-#   tp       benchmarks/tp_gpu.py (JAX, all GPUs) and tp_torch.py (torchrun, NCCL), cross-frontend check
+#   tp       benchmarks/tp_jax.py (JAX, all GPUs) and tp_torch.py (torchrun, NCCL), cross-frontend check
 set -o pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/out}
@@ -52,7 +52,7 @@ for step in "$@"; do
       timeout ${TEST_TIMEOUT:-400} python3 -m pytest -q -m gpu tests/test_gpu_jax.py -p no:cacheprovider 2>&1 | tail -n 40 | tee -a "$LOG"
       ;;
     tp)
-      timeout ${TP_TIMEOUT:-240} python3 benchmarks/tp_gpu.py --out /tmp/rlk-out 2>&1 | tee -a "$LOG"
+      timeout ${TP_TIMEOUT:-240} python3 benchmarks/tp_jax.py --out /tmp/rlk-out 2>&1 | tee -a "$LOG"
       timeout ${TP_TIMEOUT:-240} torchrun --nproc_per_node "$(nvidia-smi -L | wc -l)" benchmarks/tp_torch.py --out /tmp/rlk-out 2>&1 \
         | grep -v Warning | tee -a "$LOG"
       cp /tmp/rlk-out/tp_*.json "$OUT"/

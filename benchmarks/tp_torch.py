@@ -3,7 +3,7 @@
     torchrun --nproc_per_node 2 benchmarks/tp_torch.py --out $OUT
     torchrun --nproc_per_node 2 benchmarks/tp_torch.py --out /tmp --shapes tiny   # CPU + gloo dry run
 
-Every rank builds the same inputs as benchmarks/tp_gpu.py (numpy seed 0) and holds its vocab
+Every rank builds the same inputs as benchmarks/tp_jax.py (numpy seed 0) and holds its vocab
 shard. Rank 0 also runs TP = 1 on the full weight. Checks: logp/entropy bitwise across TP = 1
 and TP = world, dH against TP = 1; times TP forward and forward+backward on every rank (and TP = 1
 on rank 0), and the share of the statistics exchange (the same all-reduces alone). Writes
@@ -27,7 +27,7 @@ import torch.distributed as dist  # noqa: E402
 import _rlk_core  # noqa: E402
 import torch_bridge  # noqa: E402
 
-SHAPES = {"T3": (6827, 2048, 151936), "Q8B": (4096, 4096, 151936),  # global vocab, as tp_gpu.py
+SHAPES = {"T3": (6827, 2048, 151936), "Q8B": (4096, 4096, 151936),  # global vocab, as tp_jax.py
           "tiny": (256, 64, 1024)}  # a dry run of the script itself (CPU, gloo)
 
 
@@ -67,7 +67,7 @@ def steps(logp_fn, hh, ww, g):
 
 
 def inputs(n, hd, v):
-    """The same arrays as benchmarks/tp_gpu.py."""
+    """The same arrays as benchmarks/tp_jax.py."""
     r = np.random.default_rng(0)
     h = torch.from_numpy(r.standard_normal((n, hd)).astype(np.float32)).bfloat16()
     w = torch.from_numpy((r.standard_normal((v, hd)) / np.sqrt(hd)).astype(np.float32)).bfloat16()

@@ -239,10 +239,7 @@ Status backward_fast(const Problem& p, const BwdArgs& a, Workspace ws, cudaStrea
 //   n * h * 8 bytes of traffic, and wider dW GEMMs run closer to peak. dW's rows past the current
 //   piece are not written yet, so a piece's tiles borrow them while they are large enough
 //   (lean_next_piece); the workspace tile takes the pieces that are left at the end.
-#ifndef RLK_LEAN_BUDGET_MIB
-#define RLK_LEAN_BUDGET_MIB 250  // 256 MiB, less room for the frontends' [n] vectors (A/B: other values)
-#endif
-constexpr size_t kLeanBudget = size_t(RLK_LEAN_BUDGET_MIB) << 20;
+constexpr size_t kLeanBudget = size_t(250) << 20;  // 256 MiB, less room for the frontends' [n] vectors
 constexpr size_t kLeanLimit = kLeanBudget + (size_t(6) << 20);  // the promise (256 MiB); one sweep wherever it holds
 constexpr size_t kLeanTileMax = size_t(144) << 20;  // larger workspace tiles gain little
 constexpr size_t kLeanTileMin = size_t(32) << 20;   // the floor where n * h takes the budget

@@ -23,18 +23,12 @@ inline Status check_shape(const Problem& p) {
 // chunk's content only, never on where the chunk sits in the local vocab (TP invariance) nor on
 // other rows (batch invariance). The per-(row, split) partials are merged per chunk, in split
 // order, by the finalize kernel. Both forward kernels (portable and sm90) use this geometry.
-#ifndef RLK_SPLIT_COLS
-#define RLK_SPLIT_COLS 1024  // a multiple of the sm90 kernel's 256-column tile (A/B: other values)
-#endif
-constexpr int64_t kSplitCols = RLK_SPLIT_COLS;
+constexpr int64_t kSplitCols = 1024;  // a multiple of the sm90 kernel's 256-column tile
 
 // The lean backward's recompute on the sm90 kernel (sm90_dlogit) splits its vocab pieces the same
 // way, in shorter splits, so that a piece's few row tiles still make enough units to fill the last
 // wave (only the order of the dT sum depends on it).
-#ifndef RLK_DLOGIT_SPLIT
-#define RLK_DLOGIT_SPLIT 512
-#endif
-constexpr int64_t kDlogitSplitCols = RLK_DLOGIT_SPLIT;
+constexpr int64_t kDlogitSplitCols = 512;
 
 inline int64_t splits_per_chunk(int64_t chunk, int64_t split_cols = kSplitCols) {
   return (chunk + split_cols - 1) / split_cols;

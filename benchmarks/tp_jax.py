@@ -4,7 +4,7 @@ Checks bitwise logp/entropy equality across TP degrees, gradients against float6
 rows, and times TP forward and forward+backward per shape with the share of the statistics
 exchange (the collectives alone, same sizes, same mesh). NVLink multicast stays off.
 
-    python benchmarks/tp_gpu.py --out $OUT            # writes tp_jax.json
+    python benchmarks/tp_jax.py --out $OUT            # writes tp_jax.json
 """
 from __future__ import annotations
 

@@ -1,12 +1,11 @@
 #!/bin/bash
 # Build the CUDA backend + its test on the device machine and run: test, sanitizers, bench.
-#   benchmarks/cuda/run_device.sh [test] [san] [bench] [gemm] [ab]   (any subset; logs under $OUT)
+#   benchmarks/cuda/device_run.sh [test] [san] [bench] [gemm] [ab]   (any subset; logs under $OUT)
 # ab: this tree's kernels against other builds of the kernel files: AB_DIR (a folder with other
 #   versions of any of linear_logp_sm90.cu, linear_logp_bwd.cu, linear_logp_cuda.cu, blas.cc, e.g.
-#   `mkdir ab && git show REV:cuda/linear_logp_bwd.cu > ab/linear_logp_bwd.cu` before the run)
-#   and/or AB_DEFS (';'-separated variants, e.g. "-DRLK_SPLIT_COLS=512;-DRLK_SPLIT_COLS=256"), benched
-#   over AB_SHAPES (default T1,T2,T3), all binaries interleaved twice: machines differ by more than
-#   most changes, so only a same-machine A/B shows a few percent.
+#   `mkdir ab && git show REV:cuda/linear_logp_bwd.cu > ab/linear_logp_bwd.cu` before the run),
+#   benched over AB_SHAPES (default T1,T2,T3), both binaries interleaved twice: machines differ by
+#   more than most changes, so only a same-machine A/B shows a few percent.
 set -o pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/out}; mkdir -p $OUT
@@ -46,26 +45,18 @@ for step in "$@"; do
     bench1) timeout 60 $B/lptest --bench --only T3 2>&1 | tee $OUT/bench.log ;;
     prof) timeout 200 ncu --clock-control none --metrics gpu__time_duration.sum --csv $B/lptest --profile --only ${PROF_SHAPE:-T3} > $OUT/ncu.csv 2>$OUT/ncu.err; tail -3 $OUT/ncu.err
           python3 benchmarks/cuda/ncu_summary.py $OUT/ncu.csv ;;
-    ab) IFS=';' read -ra variants <<< "${AB_DEFS:-}"
-        [ -n "${AB_DIR:-}" ] && [ ${#variants[@]} -eq 0 ] && variants=("")
-        src() { [ -f "${AB_DIR:-/nonexistent}/$1" ] && echo "$AB_DIR/$1" || echo "cuda/$1"; }
-        for k in "${!variants[@]}"; do
-          A=/tmp/rlkab$k; mkdir -p $A
-          nvcc $FLAGS ${variants[$k]} -gencode=arch=compute_90a,code=sm_90a -c $(src linear_logp_sm90.cu) -o $A/sm90.o &
-          nvcc $FLAGS ${variants[$k]} -c $(src blas.cc) -o $A/blas.o &
-          for f in linear_logp_bwd linear_logp_cuda; do
-            nvcc $FLAGS ${variants[$k]} -gencode=arch=compute_90,code=sm_90 -c $(src $f.cu) -o $A/$f.o &
-          done
+    ab) [ -d "${AB_DIR:-}" ] || { echo "ab: set AB_DIR to a folder of kernel files"; exit 1; }
+        src() { [ -f "$AB_DIR/$1" ] && echo "$AB_DIR/$1" || echo "cuda/$1"; }
+        A=/tmp/rlkab; mkdir -p $A
+        nvcc $FLAGS -gencode=arch=compute_90a,code=sm_90a -c $(src linear_logp_sm90.cu) -o $A/sm90.o &
+        nvcc $FLAGS -c $(src blas.cc) -o $A/blas.o &
+        for f in linear_logp_bwd linear_logp_cuda; do
+          nvcc $FLAGS -gencode=arch=compute_90,code=sm_90 -c $(src $f.cu) -o $A/$f.o &
         done
         wait
-        for k in "${!variants[@]}"; do
-          A=/tmp/rlkab$k
-          nvcc -o $A/lptest $B/test.o $A/blas.o $A/linear_logp_cuda.o $A/linear_logp_bwd.o $A/sm90.o -lcudart -ldl || exit 1
-        done
-        for r in 1 2; do for v in tree "${!variants[@]}"; do for s in $(echo ${AB_SHAPES:-T1,T2,T3} | tr , ' '); do
-          bin=$B/lptest; name=tree
-          [ $v != tree ] && bin=/tmp/rlkab$v/lptest && name="ab${v}[${variants[$v]}]"
-          echo -n "$name: "; timeout 60 $bin --bench --only $s | grep BENCH
+        nvcc -o $A/lptest $B/test.o $A/blas.o $A/linear_logp_cuda.o $A/linear_logp_bwd.o $A/sm90.o -lcudart -ldl || exit 1
+        for r in 1 2; do for bin in $B/lptest $A/lptest; do for s in $(echo ${AB_SHAPES:-T1,T2,T3} | tr , ' '); do
+          echo -n "$bin: "; timeout 60 $bin --bench --only $s | grep BENCH
         done; done; done 2>&1 | tee $OUT/ab.log ;;
     gemm) python3 - <<'PY' 2>&1 | tee $OUT/gemm.log
 import torch, triton
