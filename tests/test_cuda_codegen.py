@@ -4,26 +4,55 @@ machine code, and the portable backend built without sm_90a (a toolkit before 12
 ptxas reports as mere info two things that cost the Hopper forward a lot: wgmma serialised around a
 branch (C7518; a warpgroup-level skip inside the mainloop cost 15%) and register spills in the
 consumers (128 fp32 accumulators per thread leave little room). Both must stay at zero.
+
+The compile commands are CMake's own (compile_commands.json of a configured build), so the flags
+checked here are the flags the module is built with.
 """
-import os
+import json
 import re
+import os
+import shlex
 import shutil
 import subprocess
+import sys
 
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NVCC = shutil.which("nvcc")
+CMAKE = shutil.which("cmake")
+
+pytestmark = pytest.mark.skipif(NVCC is None or CMAKE is None,
+                                reason="nvcc or cmake not on PATH: the CUDA backend is not built here")
 
 
-@pytest.mark.skipif(NVCC is None, reason="nvcc not on PATH: the CUDA backend is not built here")
-def test_sm90_forward_has_no_serialised_wgmma_and_no_spills(tmp_path):
-    cmd = [NVCC, "-O3", "-std=c++17", "--expt-relaxed-constexpr", f"-I{ROOT}/include", f"-I{ROOT}/cuda",
-           "-DRLK_HAVE_SM90=1", "-gencode=arch=compute_90a,code=sm_90a", "-Xptxas", "-v", "-c",
-           os.path.join(ROOT, "cuda", "linear_logp_sm90.cu"), "-o", str(tmp_path / "sm90.o")]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+@pytest.fixture(scope="module")
+def commands(tmp_path_factory):
+    """Source file name -> (argv, directory) of its compile in a CUDA configure of this tree."""
+    build = tmp_path_factory.mktemp("cmake")
+    gen = ["-G", "Ninja"] if shutil.which("ninja") else []
+    out = subprocess.run([CMAKE, "-S", ROOT, "-B", str(build), *gen, "-DRLK_CUDA=ON",
+                          f"-DPython_EXECUTABLE={sys.executable}"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    entries = json.loads((build / "compile_commands.json").read_text())
+    return {os.path.basename(e["file"]): (shlex.split(e["command"]), e["directory"]) for e in entries}
+
+
+def compile_to(argv, directory, obj, extra=(), replace=None):
+    """Run one compile command with its output redirected to `obj`, `extra` flags appended and
+    flags rewritten by `replace(flag) -> list of flags`."""
+    argv = list(argv)
+    argv[argv.index("-o") + 1] = str(obj)
+    if replace:
+        argv = [g for f in argv for g in replace(f)]
+    out = subprocess.run(argv + list(extra), cwd=directory, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
-    log = out.stdout + out.stderr
+    return out.stdout + out.stderr
+
+
+def test_sm90_forward_has_no_serialised_wgmma_and_no_spills(commands, tmp_path):
+    argv, directory = commands["linear_logp_sm90.cu"]
+    log = compile_to(argv, directory, tmp_path / "sm90.o", extra=["-Xptxas", "-v"])
     kernels = re.findall(r"Compiling entry function '(\w*sm90_forward_kernel\w*)'", log)
     assert len(kernels) == 6, log[-2000:]  # bf16 / fp16 x the three epilogues (stats, kept logits, dlogit)
     assert "C7518" not in log and "serialized" not in log, log[-2000:]
@@ -31,13 +60,17 @@ def test_sm90_forward_has_no_serialised_wgmma_and_no_spills(tmp_path):
     assert spills and all(s == ("0", "0") for s in spills), spills
 
 
-@pytest.mark.skipif(NVCC is None, reason="nvcc not on PATH: the CUDA backend is not built here")
 @pytest.mark.parametrize("src", ["linear_logp_bwd.cu", "linear_logp_cuda.cu"])
-def test_cuda_backend_builds_without_sm90(tmp_path, src):
+def test_cuda_backend_builds_without_sm90(commands, tmp_path, src):
     """A toolkit without sm_90a (RLK_HAVE_SM90=0) still builds the portable backend, warning-free."""
-    cmd = [NVCC, "-O3", "-std=c++17", "--expt-relaxed-constexpr", f"-I{ROOT}/include", f"-I{ROOT}/cuda",
-           "-DRLK_HAVE_SM90=0", "-gencode=arch=compute_80,code=sm_80", "-c", os.path.join(ROOT, "cuda", src),
-           "-o", str(tmp_path / "out.o")]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert "warning" not in (out.stdout + out.stderr).lower(), out.stderr[-2000:]
+    argv, directory = commands[src]
+
+    def sm80_only(flag):
+        if flag == "-DRLK_HAVE_SM90=1":
+            return ["-DRLK_HAVE_SM90=0"]
+        if flag.startswith("-gencode"):
+            return ["-gencode=arch=compute_80,code=sm_80"] if "compute_80" in flag else []
+        return [flag]
+
+    log = compile_to(argv, directory, tmp_path / "out.o", replace=sm80_only)
+    assert "warning" not in log.lower(), log[-2000:]

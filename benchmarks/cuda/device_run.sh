@@ -9,22 +9,13 @@
 set -o pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/out}; mkdir -p $OUT
-INC="-I$PWD/include -I$PWD/cuda"
-FLAGS="-O3 -std=c++17 --expt-relaxed-constexpr $INC -DRLK_HAVE_SM90=1 -lineinfo"
-B=/tmp/rlkbuild; mkdir -p $B
-objs="$B/blas.o"
-nvcc $FLAGS -c cuda/blas.cc -o $B/blas.o &
-for f in cuda/*.cu; do
-  case $f in *_test.cu) continue;; esac
-  o=$B/$(basename $f .cu).o; objs="$objs $o"
-  case $f in
-    *_sm90.cu) nvcc $FLAGS -gencode=arch=compute_90a,code=sm_90a -c $f -o $o & ;;
-    *) nvcc $FLAGS -gencode=arch=compute_80,code=sm_80 -gencode=arch=compute_90,code=sm_90 -c $f -o $o & ;;
-  esac
-done
-nvcc $FLAGS -gencode=arch=compute_90,code=sm_90 -c cuda/linear_logp_cuda_test.cu -o $B/test.o &
-wait
-nvcc -o $B/lptest $B/test.o $objs -lcudart -ldl 2>&1 | tee $OUT/build.log || { echo BUILD FAILED; exit 1; }
+# lptest (tests/cuda/lptest.cu) is a CMake target: the flags are CMakeLists.txt's.
+build_lptest() {  # source tree, build dir
+  cmake -S "$1" -B "$2" -G Ninja -DRLK_CUDA=ON -DRLK_BUILD_TESTS=ON -DPython_EXECUTABLE="$(command -v python3)" > "$2.log" 2>&1 \
+    && cmake --build "$2" --target lptest >> "$2.log" 2>&1 || { tail -n 30 "$2.log"; echo BUILD FAILED; exit 1; }
+}
+B=/tmp/rlkbuild
+build_lptest "$PWD" $B
 # The backward's GEMMs are cuBLASLt's, loaded at run time (cuda/blas.h): the one jax's CUDA plugin ships.
 export RLK_CUBLASLT_PATH=${RLK_CUBLASLT_PATH:-$(python3 -c "
 import glob, sys
@@ -46,15 +37,9 @@ for step in "$@"; do
     prof) timeout 200 ncu --clock-control none --metrics gpu__time_duration.sum --csv $B/lptest --profile --only ${PROF_SHAPE:-T3} > $OUT/ncu.csv 2>$OUT/ncu.err; tail -3 $OUT/ncu.err
           python3 benchmarks/cuda/ncu_summary.py $OUT/ncu.csv ;;
     ab) [ -d "${AB_DIR:-}" ] || { echo "ab: set AB_DIR to a folder of kernel files"; exit 1; }
-        src() { [ -f "$AB_DIR/$1" ] && echo "$AB_DIR/$1" || echo "cuda/$1"; }
-        A=/tmp/rlkab; mkdir -p $A
-        nvcc $FLAGS -gencode=arch=compute_90a,code=sm_90a -c $(src linear_logp_sm90.cu) -o $A/sm90.o &
-        nvcc $FLAGS -c $(src blas.cc) -o $A/blas.o &
-        for f in linear_logp_bwd linear_logp_cuda; do
-          nvcc $FLAGS -gencode=arch=compute_90,code=sm_90 -c $(src $f.cu) -o $A/$f.o &
-        done
-        wait
-        nvcc -o $A/lptest $B/test.o $A/blas.o $A/linear_logp_cuda.o $A/linear_logp_bwd.o $A/sm90.o -lcudart -ldl || exit 1
+        A=/tmp/rlkab; rm -rf $A-src; mkdir -p $A-src
+        tar --exclude=./build --exclude=./.git -cf - . | tar -xf - -C $A-src && cp "$AB_DIR"/* $A-src/cuda/
+        build_lptest $A-src $A
         for r in 1 2; do for bin in $B/lptest $A/lptest; do for s in $(echo ${AB_SHAPES:-T1,T2,T3} | tr , ' '); do
           echo -n "$bin: "; timeout 60 $bin --bench --only $s | grep BENCH
         done; done; done 2>&1 | tee $OUT/ab.log ;;

@@ -1,8 +1,8 @@
 // Standalone test and benchmark of the CUDA backend (rlk::cuda::forward/combine/backward).
 //
-//   linear_logp_cuda_test            correctness table (exit code 1 on any failure)
-//   linear_logp_cuda_test --quick    a smaller set (for compute-sanitizer)
-//   linear_logp_cuda_test --bench    timings of forward(+combine) and backward on the DESIGN shapes
+//   lptest            correctness table (exit code 1 on any failure)
+//   lptest --quick    a smaller set (for compute-sanitizer)
+//   lptest --bench    timings of forward(+combine) and backward on the DESIGN shapes
 //
 // Inputs are fresh random numbers (hidden ~ N(0,1), weight ~ N(0,1)/sqrt(h)) drawn on the device;
 // the reference is float64 on the CPU on the same rounded operands. Outputs are poisoned (NaN)
