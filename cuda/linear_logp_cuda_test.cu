@@ -2,7 +2,7 @@
 //
 //   linear_logp_cuda_test            correctness table (exit code 1 on any failure)
 //   linear_logp_cuda_test --quick    a smaller set (for compute-sanitizer)
-//   linear_logp_cuda_test --bench    timings of forward(+combine) and backward on the DESIGN shapes
+//   linear_logp_cuda_test --bench    timings of forward(+combine) and backward on the shapes of docs/design.md §6
 //
 // Inputs are fresh random numbers (hidden ~ N(0,1), weight ~ N(0,1)/sqrt(h)) drawn on the device;
 // the reference is float64 on the CPU on the same rounded operands. Outputs are poisoned (NaN)
