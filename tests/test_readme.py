@@ -7,15 +7,12 @@ them (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT), as
 `torchrun --nproc-per-node N block.py` would. Links of the README point at files in the repository.
 """
 import dataclasses
-import importlib.util
-import os
 import pathlib
 import re
-import socket
-import subprocess
-import sys
 
 import pytest
+
+from subprocs import cpu_env, free_port, run_all
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
@@ -60,51 +57,27 @@ def python_blocks(text: str) -> list[Block]:
 BLOCKS = python_blocks(README.read_text())
 
 
-def cpu_env(**extra):
-    """This process's environment on the CPU only, with the directories this process imports our
-    packages from first on the path (pytest may have found them through its own sys.path)."""
-    env = dict(os.environ, JAX_PLATFORMS="cpu", CUDA_VISIBLE_DEVICES="", **extra)
-    env.pop("XLA_FLAGS", None)  # conftest's 8 test devices are not what a user has
-    dirs = []
-    for name in ("rlk_xla", "torch_bridge", "rlk_common", "_rlk_core"):
-        spec = importlib.util.find_spec(name)
-        if spec is not None and spec.origin:
-            origin = pathlib.Path(spec.origin)
-            dirs.append(str(origin.parent.parent if origin.name == "__init__.py" else origin.parent))
-    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(dirs + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]))
-    return env
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_block(block: Block, tmp_path):
     script = tmp_path / "block.py"
     script.write_text(block.code)
-    port = free_port()
-    procs = []
-    for rank in range(block.procs):
-        env = cpu_env(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(block.procs), LOCAL_WORLD_SIZE=str(block.procs),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)) if block.procs > 1 else cpu_env()
-        procs.append(subprocess.Popen([sys.executable, str(script)], cwd=tmp_path, env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    failures = []
-    for rank, p in enumerate(procs):
-        try:
-            out, _ = p.communicate(timeout=TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            out, _ = p.communicate()
-            failures.append(f"process {rank}: no exit within {TIMEOUT_S} s\n{out[-3000:]}")
-            continue
-        if p.returncode:
-            failures.append(f"process {rank}: exit {p.returncode}\n{out[-3000:]}")
+    if block.procs == 1:
+        envs = [cpu_env()]
+    else:
+        port, world = str(free_port()), str(block.procs)
+        envs = [cpu_env(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=world, LOCAL_WORLD_SIZE=world,
+                        MASTER_ADDR="127.0.0.1", MASTER_PORT=port) for r in range(block.procs)]
+    failures = run_all([[str(script)]] * block.procs, envs, tmp_path, TIMEOUT_S)
     if failures:
         pytest.fail(f"README.md:{block.line} ({block.section}) failed:\n" + "\n".join(failures), pytrace=False)
+
+
+def test_markers_select_and_skip_blocks():
+    text = ("# A\n```python\nx = 1\n```\n```bash\nls\n```\n<!-- not run: needs a GPU -->\n\n```python\ny\n```\n"
+            "## B\n<!-- run: 2 processes -->\n````python\nz = 1\n```\n````\n")
+    a, b, c = python_blocks(text)
+    assert (a.line, a.section, a.code, a.skip, a.procs) == (2, "A", "x = 1\n", None, 1)
+    assert (b.skip, b.procs, b.code) == ("needs a GPU", 1, "y\n")
+    assert (c.section, c.procs, c.code) == ("B", 2, "z = 1\n```\n")
 
 
 def test_the_readme_has_python_examples():

@@ -1,0 +1,53 @@
+"""Running Python in fresh processes from a test, on the CPU: the README's examples, and JAX or
+torch programs that span several processes (each with its own environment, one coordinator port)."""
+from __future__ import annotations
+
+import importlib.util
+import os
+import pathlib
+import socket
+import subprocess
+import sys
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def cpu_env(**extra) -> dict:
+    """This process's environment on the CPU only, with the directories this process imports our
+    packages from first on the path (pytest may have found them through its own sys.path)."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", CUDA_VISIBLE_DEVICES="", **extra)
+    env.pop("XLA_FLAGS", None)  # conftest's 8 test devices are not what a fresh process has
+    dirs = []
+    for name in ("rlk_xla", "torch_bridge", "rlk_common", "_rlk_core"):
+        spec = importlib.util.find_spec(name)
+        if spec is not None and spec.origin:
+            origin = pathlib.Path(spec.origin)
+            dirs.append(str(origin.parent.parent if origin.name == "__init__.py" else origin.parent))
+    paths = dirs + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
+    return env
+
+
+def run_all(argvs: list[list[str]], envs: list[dict], cwd, timeout_s: float) -> list[str]:
+    """Start one process per argv (python is prepended) at once, wait for all; returns a message
+    (exit status or timeout, and the tail of its output) for each process that failed. On a
+    timeout every process is killed: one that waits on its peers would never end."""
+    procs = [subprocess.Popen([sys.executable, *argv], cwd=cwd, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for argv, env in zip(argvs, envs)]
+    failures = []
+    for i, p in enumerate(procs):
+        try:
+            out, _ = p.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            out, _ = p.communicate()
+            failures.append(f"process {i}: still running after {timeout_s} s, killed\n{out[-3000:]}")
+            continue
+        if p.returncode:
+            failures.append(f"process {i}: exit status {p.returncode}\n{out[-3000:]}")
+    return failures
