@@ -8,6 +8,8 @@ import pathlib
 import socket
 import subprocess
 import sys
+import tempfile
+import time
 
 
 def free_port() -> int:
@@ -32,22 +34,30 @@ def cpu_env(**extra) -> dict:
     return env
 
 
-def run_all(argvs: list[list[str]], envs: list[dict], cwd, timeout_s: float) -> list[str]:
-    """Start one process per argv (python is prepended) at once, wait for all; returns a message
-    (exit status or timeout, and the tail of its output) for each process that failed. On a
-    timeout every process is killed: one that waits on its peers would never end."""
-    procs = [subprocess.Popen([sys.executable, *argv], cwd=cwd, env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for argv, env in zip(argvs, envs)]
+def run_all(argvs: list[list[str]], envs: list[dict], cwd, timeout_s: float, grace_s: float = 15.0) -> list[str]:
+    """Start one process per argv (python is prepended) at once and wait for all; returns a message
+    (exit status or timeout, and the tail of its output) for each process that failed. Processes
+    still running at the timeout, or grace_s after another one failed (its peers would wait on it
+    for ever), are killed."""
+    logs = [tempfile.TemporaryFile("w+") for _ in argvs]
+    procs = [subprocess.Popen([sys.executable, *argv], cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT,
+                              text=True) for argv, env, log in zip(argvs, envs, logs)]
+    deadline = time.monotonic() + timeout_s
+    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+        if any(p.returncode for p in procs):
+            deadline = min(deadline, time.monotonic() + grace_s)
+        time.sleep(0.1)
     failures = []
-    for i, p in enumerate(procs):
-        try:
-            out, _ = p.communicate(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            out, _ = p.communicate()
-            failures.append(f"process {i}: still running after {timeout_s} s, killed\n{out[-3000:]}")
-            continue
-        if p.returncode:
-            failures.append(f"process {i}: exit status {p.returncode}\n{out[-3000:]}")
+    for i, (p, log) in enumerate(zip(procs, logs)):
+        killed = p.poll() is None
+        if killed:
+            p.kill()
+        p.wait()
+        log.seek(0)
+        tail = log.read()[-3000:]
+        log.close()
+        if killed:
+            failures.append(f"process {i}: still running, killed (timeout {timeout_s} s, or a peer failed)\n{tail}")
+        elif p.returncode:
+            failures.append(f"process {i}: exit status {p.returncode}\n{tail}")
     return failures
