@@ -4,7 +4,7 @@ The convention (also stated at the top of the README): only fences whose info st
 run. A block right after the HTML comment `<!-- not run: REASON -->` is skipped with REASON; one
 right after `<!-- run: N processes -->` runs in N processes with the environment torchrun gives
 them (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT), as
-`torchrun --nproc-per-node N block.py` would. Links of the README point at files in the repository.
+`torchrun --nproc-per-node N block.py` would. Each runs in an empty temporary directory. Links of the README point at files in the repository.
 """
 import dataclasses
 import pathlib
