@@ -1,4 +1,4 @@
-"""Side-by-side GPU benchmark of linear_logp, one process, every shape of DESIGN.md section 6.
+"""Side-by-side GPU benchmark of linear_logp, one process, every shape of docs/design.md §6.
 
 Per shape, in the same run: the cuBLAS bf16 GEMM of the same shape (the floor, torch matmul), and
 every path of PATHS that is installed:
@@ -23,7 +23,7 @@ Results go to OUT/benchmarks.json after every shape, with the table and plots of
 Times: torch paths with triton.testing.do_bench (median of at least 10 timed calls, CUDA events); JAX paths with wall time
 per call as the difference between k and 2k calls issued back to back, each ending in one
 block_until_ready (median of 10; rlk_xla.cli.time_ms), so that neither frontend's host latency
-counts (../shared/anchors timed single JAX calls). Python's garbage collector is paused while
+counts. Python's garbage collector is paused while
 timing (no_gc).
 Memory: torch: the peak allocated during one fwd+bwd step beyond what was live before it (the inputs, and the previous step's
 gradients, which the step frees before making its own); JAX: XLA's compiled temp bytes of the
@@ -55,7 +55,7 @@ from plot_report import is_ours  # noqa: E402
 PATHS = ("rlk_xla_fast", "rlk_xla_lean", "torch_bridge_fast", "torch_bridge_lean",
          "jax_ref", "jax_chunked", "tokamax", "torch_native", "liger", "cce")
 JAX_PATHS = {"rlk_xla_fast", "rlk_xla_lean", "jax_ref", "jax_chunked", "tokamax"}
-SHAPES = {name: common.SHAPES[name] for name in  # DESIGN.md section 6, in the order the report runs them
+SHAPES = {name: common.SHAPES[name] for name in  # docs/design.md §6, in the order the report runs them
           ("T3", "H200-pub", "L16k", "T3-tp1", "T1", "T2", "Q8B-tp4")}
 LOGP_ROWS = 256  # sampled rows for the logp error
 GRAD_ROWS = 512  # leading rows for the dH / dW errors
@@ -73,7 +73,7 @@ def fused_paths(prefix, linear_logp, **kw):
 
 
 def jax_chunked(h, w, t, chunk=1024):
-    """The anchors' chunked baseline: lax.map over row chunks of the reference, with remat."""
+    """A chunked JAX baseline: lax.map over row chunks of the reference, with remat."""
     import jax
     import jax.numpy as jnp
 

@@ -4,7 +4,7 @@
 #   build    install carried wheels (.whl/: nvidia-cutlass, liger-kernel, cut-cross-entropy) and build
 #   test     pytest -m gpu (JAX and torch on one GPU); jaxtest: the JAX GPU tests only
 #   check    python -m rlk_xla check
-#   bench    benchmarks/bench_gpu.py over every shape of DESIGN.md section 6 (env BENCH_ARGS: more options)
+#   bench    benchmarks/bench_gpu.py over every shape of docs/design.md §6 (env BENCH_ARGS: more options)
 #   benchpar one bench_gpu.py per GPU at once, GPU k taking the k-th ';'-separated shape list of
 #            BENCH_SPLIT (e.g. "L16k,T1;T3,H200-pub"); results in $OUT/bench.tgz (gpuK/ folders)
 #   trace    benchmarks/trace_torch.py (env TRACE_ARGS): where a torch_bridge step's GPU time goes

@@ -25,7 +25,7 @@ COLORS = {"rlk_xla_fast": "#1f4e9c", "rlk_xla_lean": "#7fa7e0", "torch_bridge_fa
           "torch_bridge_lean": "#8fd19e", "jax_ref": "#e08a1e", "jax_chunked": "#f3c27a", "tokamax": "#b5651d",
           "torch_native": "#7b4fa0", "liger": "#c0392b", "cce": "#e377c2"}
 MEM_FLOOR = 0.1  # MB: the bottom of the log-scale memory plot
-ORDER = ("T1", "T2", "T3", "T3-tp1", "Q8B-tp4", "L16k", "H200-pub")  # DESIGN.md section 6
+ORDER = ("T1", "T2", "T3", "T3-tp1", "Q8B-tp4", "L16k", "H200-pub")  # docs/design.md §6
 COLUMNS = ("path", "fwd ms", "fwd/GEMM", "fwd+bwd ms", "fwd+bwd/GEMM", "peak extra MB", "torch peak reserved MB",
            "logp rel err", "dH rel", "dW rel")
 
@@ -272,7 +272,7 @@ def write_report(data, out):
 
 def merge(datas):
     """One report of several bench_gpu.py runs (shapes split over GPUs or calls): the rows in
-    DESIGN.md order, a later run's row replacing an earlier one of the same shape; each run's
+    docs/design.md §6 order, a later run's row replacing an earlier one of the same shape; each run's
     command kept."""
     rows = {}
     for d in datas:

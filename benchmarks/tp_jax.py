@@ -26,7 +26,7 @@ import rlk_xla  # noqa: E402
 from rlk_xla._compat import shard_map  # noqa: E402
 from rlk_xla.cli import time_ms  # noqa: E402
 
-# (name, tokens, hidden, global vocab); each of the TP ranks holds V / TP rows: T3 is DESIGN's T3 at
+# (name, tokens, hidden, global vocab); each of the TP ranks holds V / TP rows: T3 is docs/design.md §6's T3 at
 # TP = 2 and T3-tp1 sharded at TP = 8; Q8B is Q8B-tp4 at TP = 4.
 OUT_DIR = "."
 SHAPES = {"T3": (6827, 2048, 151936), "Q8B": (4096, 4096, 151936)}

@@ -16,7 +16,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import torch_bridge
 from bench_gpu import bench_ms  # (this script's folder is on sys.path)
-from rlk_common import SHAPES  # DESIGN.md section 6
+from rlk_common import SHAPES  # docs/design.md §6
 
 STEPS = 3
 

@@ -13,7 +13,7 @@ MODES = ("off", "auto", "strict", "audit")
 BACKWARDS = ("auto", "fast", "lean")
 DEFAULT_BACKWARD_MEMORY_BUDGET = 4 << 30  # bytes of kept logits backward="auto" may spend (per shard)
 COUNT_NAMES = ("fwd_calls", "fwd_tokens", "bwd_calls", "bwd_tokens", "bwd_fast_calls")
-# The shapes that matter (../shared/DESIGN.md section 6): name -> (tokens n, hidden h, local vocab V).
+# The shapes that matter (docs/design.md §6): name -> (tokens n, hidden h, local vocab V).
 SHAPES = {"T1": (796, 2048, 75968), "T2": (1820, 2048, 75968), "T3": (6827, 2048, 75968),
           "T3-tp1": (6827, 2048, 151936), "Q8B-tp4": (4096, 4096, 37984), "L16k": (16384, 4096, 151936),
           "H200-pub": (4096, 4096, 128256)}

@@ -13,7 +13,7 @@ import rlk_common as common
 from . import linear_logp, reference, reset_route_stats, route_stats
 from ._core import core, registered_platforms
 
-# DESIGN.md section 6, after the CPU shape of the core issue.
+# docs/design.md §6, after the CPU shape of the core issue.
 SHAPES = {"small": (512, 1024, 32000), **common.SHAPES}
 
 

@@ -29,21 +29,30 @@ PAD_LOGIT = -1e30
 def linear_logp(hidden, weight, targets, *, bias=None, temperature=1.0, ignore_index=-100, vocab_start=None,
                 real_vocab_size=None, return_entropy=False, mode=None, axis_name=None, backward="auto",
                 backward_memory_budget=None):
-    """Selected-token log-probabilities (and optionally entropies) of `hidden @ weight.T`.
+    """Selected-token log-probabilities (and optionally entropies) of `hidden @ weight.T (+ bias)`.
 
-    hidden [..., H] (bf16, fp16 or fp32), weight [V, H] (same dtype), targets [...] int token ids.
-    Returns fp32 logp shaped like targets, or (logp, entropy) with return_entropy=True.
-    temperature: a float > 0 or an fp32 array shaped like targets (differentiable).
-    ignore_index rows give 0 and no gradient; ids outside [0, real_vocab_size) give NaN and no gradient.
+    hidden [..., H] (bf16, fp16 or fp32), weight [V, H] (same dtype), bias [V] (same dtype) or None,
+    targets [...] integer ids of the global vocab. Returns fp32 logp shaped like targets, or
+    (logp, entropy) with return_entropy=True; differentiable in hidden, weight, bias and a
+    temperature array (docs/design.md §1 has the math).
+    temperature: a float > 0 or an fp32 array shaped like targets (per token, differentiable).
+    ignore_index rows give 0 and no gradient. Ids outside [0, real_vocab_size) are not checked
+    (that would need a host sync inside jit): their rows give NaN logp and entropy and no
+    gradient; rlk_xla.validate_targets raises ValueError for them, eagerly.
     Inside shard_map pass axis_name: weight (and bias) are this device's vocab shard, vocab_start
     defaults to axis_index * V, real_vocab_size to the padded global vocab.
-    mode: "auto" (default, env RLK_MODE), "strict", "audit" or "off" (the reference).
-    backward: the gradient's strategy. "fast" keeps this shard's logits from the forward (fp16,
-    fp32 for fp32 operands: n * V_local * 2 bytes) and reads them back; "lean" recomputes them
-    chunk by chunk (on CUDA a workspace of at most 256 MiB, whatever n and V);
-    "auto" (default) is fast when the kept logits fit backward_memory_budget bytes (default: env
+    mode: "auto" (default, env RLK_MODE): the kernels, or the reference with the fallback and its
+    reason counted when this build cannot take the call; "strict": the kernels or RuntimeError;
+    "off": the reference (materialized logits); "audit": runs both, returns the kernels' result
+    (and gradients) and records per call, in route_stats()["audit"], how many rows' logp equal
+    the reference's bit for bit and the mean and max |logp - reference logp|.
+    backward: the gradient's strategy. "fast" has the forward keep this shard's logits until the
+    backward, which reads them instead of recomputing them: fp16 (2 bytes each) for bf16/fp16
+    operands, fp32 (4 bytes each) for fp32, n * V_local values; "lean" recomputes them chunk by
+    chunk (on CUDA a workspace of at most 256 MiB, whatever n and V); "auto" (default) is fast
+    when the kept logits fit backward_memory_budget bytes (default: env
     RLK_BACKWARD_MEMORY_BUDGET, else 4 GiB), else lean. Only calls that are differentiated keep
-    logits.
+    logits. fast's fp16 logits move the gradient by up to |z| * 2^-11 relative (docs/design.md §5).
     """
     mode = routes.resolve_mode(mode)
     a = parse(hidden, weight, targets, bias=bias, temperature=temperature, ignore_index=ignore_index,

@@ -1,4 +1,4 @@
-"""The float64 oracle (numpy): values and every gradient, from the math in DESIGN.md section 1.
+"""The float64 oracle (numpy): values and every gradient, from the math in docs/design.md §1.
 
 Operands are taken exactly as the kernels see them (their dtype's values, widened to float64),
 so the only differences left are the kernels' fp32 arithmetic and output rounding.

@@ -4,14 +4,14 @@ the way it cuts the vocab (cuda/linear_logp_bwd.cu, lean_layout and lean_next_pi
 All that the lean backward adds to the caller's buffers is its workspace; with dH in the operand
 dtype (the whole vocab) that includes up to half of dH's fp32 accumulator. It must stay within
 256 MiB whatever n and v: where that half would not fit, dH comes in row sweeps, which must cover
-the rows in order and keep their fp32 rows within dhidden's bytes. At the shapes of DESIGN.md
-section 6 there is one sweep. A piece's tiles either sit in the workspace or borrow dW's rows
+the rows in order and keep their fp32 rows within dhidden's bytes. At the shapes of docs/design.md
+§6 there is one sweep. A piece's tiles either sit in the workspace or borrow dW's rows
 past the piece (not written yet): they must fit there and never reach the piece's own rows.
 """
 import pytest
 
 import _rlk_core as core
-from rlk_common import SHAPES  # DESIGN.md section 6
+from rlk_common import SHAPES  # docs/design.md §6
 
 pytestmark = pytest.mark.skipif(not core.has_cuda, reason="this build of _rlk_core has no CUDA backend")
 

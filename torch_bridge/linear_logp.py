@@ -34,16 +34,20 @@ def linear_logp(hidden, weight, targets, *, bias=None, temperature=1.0, ignore_i
     temperature tensor.
     temperature: a float > 0 or a floating tensor shaped like targets (per token).
     ignore_index rows give 0 and no gradient; ids outside [0, real_vocab_size) raise ValueError
-    when validate_targets (one host sync; skipped inside torch.compile and CUDA-graph capture),
-    else give NaN rows without gradient.
+    when validate_targets (the default; one host sync; skipped inside torch.compile and CUDA-graph
+    capture), else give NaN logp and entropy and no gradient (as rlk_xla.linear_logp always does).
     tp_group: a torch.distributed group over which the vocab is sharded: weight (and bias) are
     this rank's shard of V_local rows, vocab_start defaults to rank * V_local, real_vocab_size to
     the padded global vocab V_local * world_size. dH is all-reduced over the group unless
     reduce_grad_hidden=False (for callers whose column-parallel region already reduces it).
-    mode: "auto" (default, env RLK_MODE), "strict", "audit" or "off" (the reference).
+    mode: "auto" (default, env RLK_MODE): the kernels, or the reference with the fallback and its
+    reason counted when this build cannot take the call; "strict": the kernels or RuntimeError;
+    "off": the reference (materialized logits); "audit": runs both, returns the kernels' result
+    (and gradients) and records per call, in route_stats()["audit"], how many rows' logp equal
+    the reference's bit for bit and the mean and max |logp - reference logp|.
     backward: how the fused backward gets the logits. "lean" recomputes them chunk by chunk (small
-    workspace); "fast" has the forward keep this shard's logits [n, V_local] (fp16 for bf16/fp16
-    inputs, fp32 for fp32) until the backward, which reads them instead (on CUDA it overwrites
+    workspace); "fast" has the forward keep this shard's logits [n, V_local] (fp16, 2 bytes each,
+    for bf16/fp16 inputs; fp32, 4 bytes each, for fp32) until the backward, which reads them instead (on CUDA it overwrites
     them: one backward per forward, retain_graph=True and a second backward raise);
     "auto" (default) is fast when those bytes fit backward_memory_budget (bytes; None: env
     RLK_BACKWARD_MEMORY_BUDGET, else 4 GiB), else lean. Nothing is kept when no gradient is needed.

@@ -2,7 +2,7 @@
 //
 //   lptest            correctness table (exit code 1 on any failure)
 //   lptest --quick    a smaller set (for compute-sanitizer)
-//   lptest --bench    timings of forward(+combine) and backward on the DESIGN shapes
+//   lptest --bench    timings of forward(+combine) and backward on the shapes of docs/design.md §6
 //
 // Inputs are fresh random numbers (hidden ~ N(0,1), weight ~ N(0,1)/sqrt(h)) drawn on the device;
 // the reference is float64 on the CPU on the same rounded operands. Outputs are poisoned (NaN)
