@@ -214,7 +214,7 @@ Status first_pick(const Api& a, DeviceHandle& d, const Key& key, Objects& o, Alg
 // ---- the tuned pick -----------------------------------------------------------------------------
 // The heuristic's first pick can be several percent slower than one of its next candidates: for
 // the fast path's dH at L16k (16384 x 4096, k = 151936) 30.1 to 31.1 ms against 29.3 to 29.5 for
-// the second (docs/benchmarks.md section 5). So a large GEMM (kTuneFlops and up) is timed
+// the second (docs/benchmarks.md §5). So a large GEMM (kTuneFlops and up) is timed
 // once per size class with the first kTuneCandidates no-split candidates, on the call's own
 // operands, and the fastest is kept. The bits cannot change with it: a candidate is admitted only
 // if its output has the first pick's bits (every no-split candidate measured so far does: they

@@ -2,7 +2,7 @@
 
     python benchmarks/cuda/lt_candidates.py [--count 12] [--out FILE.md] [--l16k]
 
-For each GEMM of the backward that matters to the split-K question (docs/benchmarks.md section 4)
+For each GEMM of the backward that matters to the split-K question (docs/benchmarks.md §5)
 it asks cuBLASLt's heuristic for up to --count algorithms twice, with reduction scheme NONE only
 (no split-K) and with any scheme, then runs every candidate: its config (tile id, split-k count,
 reduction scheme, stages), the heuristic's waves, the kernel's name (torch.profiler) and its median
