@@ -231,12 +231,46 @@ def test_audit_fails_on_a_wrong_value(monkeypatch):
         vime.provider(_request(), "audit")
 
 
-def test_kernel_errors_propagate(monkeypatch):
+def test_strict_rejects_malformed_entropy_dtype_and_route(monkeypatch):
+    real = vime._fused
+    monkeypatch.setattr(vime, "_fused", lambda r, sl: (real(r, sl)[0], real(r, sl)[1][:3]))
+    with pytest.raises(RuntimeError, match="entropy"):
+        vime.provider(_request(), "auto")
+    monkeypatch.setattr(vime, "_fused", lambda r, sl: (real(r, sl)[0].double(), real(r, sl)[1]))
+    with pytest.raises(RuntimeError, match="float32"):
+        vime.provider(_request(), "strict")
+    monkeypatch.setattr(vime, "_fused", real)
+    monkeypatch.setattr(vime, "_kernel_ran", lambda before, after: "cuda_sm90")
+    with pytest.raises(RuntimeError, match="route mismatch"):
+        vime.provider(_request(), "strict")
+    with torch.no_grad():  # no gradient asked for: a detached result is right
+        vime.provider(_request(), "auto")
+
+
+@pytest.mark.parametrize("mode", ["auto", "strict", "audit"])
+def test_kernel_errors_propagate(monkeypatch, mode):
+    import _rlk_core
+
     def boom(*a, **k):
         raise RuntimeError("rlk: simulated kernel bug")
-    monkeypatch.setattr(vime, "linear_logp", boom)
+    monkeypatch.setattr(_rlk_core, "forward", boom)
+    monkeypatch.setenv("RLK_MODE", mode)
     with pytest.raises(RuntimeError, match="simulated"):
         vime_side.compute(_request(), vime_mode="auto")
+    assert vime.stats()["unavailable_total"] == 0
+
+
+def test_entropy_flags_and_provenance():
+    req = _request()
+    req.with_entropy_grad = False
+    r = vime.provider(req)
+    assert r.logp.requires_grad and not r.entropy.requires_grad
+    req.with_entropy = False
+    assert vime.provider(req).entropy is None
+    req.token_layout.world_size, req.token_layout.rank, req.token_layout.layout = 2, 1, "zigzag"
+    p = vime.provider(req).provenance
+    assert (p["cp_rank"], p["cp_size"], p["cp_layout"], p["tp_rank"], p["tp_size"]) == (1, 2, "zigzag", 0, 1)
+    assert "cp=zigzagx2" in vime.provider(req).contract_id
 
 
 def test_malformed_requests_name_the_field():
