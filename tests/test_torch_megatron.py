@@ -49,17 +49,17 @@ def _grads(model):
     return {k: p.grad.detach().clone() for k, p in model.named_parameters() if p.grad is not None}
 
 
-def _case(name, rank):
+def _case(name, rank, device):
     import torch_bridge.megatron as tbm
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
     tp, tied, real = CASES[name]
-    model = _model(tp, tied)
+    model = _model(tp, tied).to(device)
     gen = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, real, (B, S), generator=gen)
-    labels = torch.randint(0, real, (B, S), generator=gen)
-    g = torch.randn(B, S, generator=gen)
-    pos = torch.arange(S)[None].expand(B, S)
-    mask = torch.triu(torch.ones(S, S, dtype=torch.bool), 1)[None, None]
+    ids = torch.randint(0, real, (B, S), generator=gen).to(device)
+    labels = torch.randint(0, real, (B, S), generator=gen).to(device)
+    g = torch.randn(B, S, generator=gen).to(device)
+    pos = torch.arange(S, device=device)[None].expand(B, S)
+    mask = torch.triu(torch.ones(S, S, dtype=torch.bool, device=device), 1)[None, None]
     # Megatron's path: logits [b, s, V_local], then its vocab-parallel cross entropy
     logits = model(ids, pos, mask)
     meg = -vocab_parallel_cross_entropy(logits.transpose(0, 1).contiguous(), labels.transpose(0, 1).contiguous()).transpose(0, 1)
@@ -78,23 +78,31 @@ def _case(name, rank):
     full_w = [torch.empty_like(weight) for _ in range(tp)]
     dist.all_gather(full_w, weight.detach().contiguous())
     z = hidden.detach().double().transpose(0, 1) @ torch.cat(full_w).double().T
-    z = z.masked_fill(torch.arange(V) >= real, float("-inf"))
+    z = z.masked_fill(torch.arange(V, device=device) >= real, float("-inf"))
     ls = torch.log_softmax(z, -1)
     ref = ls.gather(-1, labels[..., None])[..., 0]
     ref_ent = -(ls.exp() * ls.nan_to_num(0.0, 0.0, 0.0)).sum(-1)
     out = dict(logp=logp.detach(), meg=meg.detach(), ref=ref, ent=ent.detach(), ref_ent=ref_ent, ours=ours,
                meg_grads=meg_grads, padded=real < V)
-    return out
+    return {k: (v.cpu() if isinstance(v, torch.Tensor) else {n: t.cpu() for n, t in v.items()}
+                if isinstance(v, dict) else v) for k, v in out.items()}
 
 
-def _worker(rank, world, port, out_dir, names):
+def _worker(rank, world, port, out_dir, names, device="cpu"):
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+    dist.init_process_group("gloo" if device == "cpu" else "nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)
     try:
         from megatron.core import parallel_state
-        _cpu_megatron()
+        if device == "cpu":
+            _cpu_megatron()
         parallel_state.initialize_model_parallel(world, 1)
-        res = {name: _case(name, rank) for name in names}
+        if device == "cuda":
+            from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+            model_parallel_cuda_manual_seed(0)
+        res = {name: _case(name, rank, device) for name in names}
         torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -120,7 +128,24 @@ def results(tmp_path_factory):
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_megatron_logp_entropy_and_gradients(results, name):
-    for res in results[name]:
+    _check(results[name], name)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
+def test_megatron_on_one_gpu(tmp_path):
+    import _rlk_core
+    if not _rlk_core.has_cuda:
+        pytest.skip("this build of _rlk_core has no CUDA backend")
+    names = [n for n, c in CASES.items() if c[0] == 1]
+    mp.spawn(_worker, args=(1, _free_port(), str(tmp_path), names, "cuda"), nprocs=1, join=True)
+    res = torch.load(tmp_path / "rank0.pt")
+    for name in names:
+        _check([res], name)
+
+
+def _check(ranks, name):
+    for res in ranks:
         r = res[name]
         err = (r["logp"].double() - r["ref"]).abs()
         assert float(err.max()) <= 2e-5 * (1 + float(r["ref"].abs().max()))
