@@ -1,5 +1,5 @@
 """torch_bridge.megatron with the real megatron-core GPTModel (tiny), gloo on the CPU at TP = 1 and
-2 (spawned processes): tied and untied output weights, a padded vocab.
+2 (spawned processes): tied and untied output weights, a padded vocab, sequence parallelism.
 logp against megatron.core.tensor_parallel.vocab_parallel_cross_entropy over Megatron's own logits
 and against float64; gradients of every parameter (decoder, embedding, output layer) against those
 of Megatron's path."""
@@ -16,21 +16,37 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-# name: (tp, tied, real vocab of the padded 128). Not here: sequence parallelism (megatron-core's
-# sequence-parallel gather allocates on CUDA, and its local-spec torch norm refuses it).
+# name: (tp, tied, real vocab of the padded 128). Sequence parallelism: _sequence_parallel at TP = 2.
 CASES = {"tp1_tied": (1, True, 120), "tp1_untied": (1, False, 128), "tp2_tied": (2, True, 120),
          "tp2_untied": (2, False, 128)}
 S, B, V = 8, 2, 128
 
 
+def _gather_rows(x, group, split_sizes=None, use_global_buffer=False):
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    return torch.cat(parts)
+
+
+def _reduce_scatter_rows(x, group, split_sizes=None, use_global_buffer=False):
+    x = x.contiguous().clone()
+    dist.all_reduce(x, group=group)
+    return x.chunk(dist.get_world_size(group))[dist.get_rank(group)].contiguous()
+
+
 def _cpu_megatron():
     """megatron-core's CPU blockers, for these tests only: its attention scratch buffer and
-    causal mask default to CUDA, and the model-parallel RNG tracker forks CUDA RNG state."""
+    causal mask default to CUDA, the model-parallel RNG tracker forks CUDA RNG state, and its
+    sequence-parallel gather / reduce-scatter allocate on CUDA (gloo has no reduce-scatter: the
+    same collective from all_gather and all_reduce)."""
     import megatron.core.utils as mu
     from megatron.core import tensor_parallel
+    from megatron.core.tensor_parallel import mappings
     mu.GlobalMemoryBuffer.get_tensor = lambda self, shape, dtype, name, mem_alloc_context=None: torch.empty(
         shape, dtype=dtype)
     tensor_parallel.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()
+    mappings._gather_along_first_dim = _gather_rows
+    mappings._reduce_scatter_along_first_dim = _reduce_scatter_rows
 
 
 def _model(tp, tied):
@@ -84,8 +100,30 @@ def _case(name, rank, device):
     ref_ent = -(ls.exp() * ls.nan_to_num(0.0, 0.0, 0.0)).sum(-1)
     out = dict(logp=logp.detach(), meg=meg.detach(), ref=ref, ent=ent.detach(), ref_ent=ref_ent, ours=ours,
                meg_grads=meg_grads, padded=real < V)
+    if tp > 1:
+        out["sp"] = _sequence_parallel(model, hidden.detach(), labels, g, rank, tp)
     return {k: (v.cpu() if isinstance(v, torch.Tensor) else {n: t.cpu() for n, t in v.items()}
                 if isinstance(v, dict) else v) for k, v in out.items()}
+
+
+def _sequence_parallel(model, hidden, labels, g, rank, tp):
+    """The output layer under sequence parallelism fed this rank's rows of the sequence, against
+    the same layer fed every row: (logp equal, max |dh| difference on this rank's rows, max |dW|
+    difference). (The decoder runs without it: the local spec's torch norm refuses it.)"""
+    import torch_bridge.megatron as tbm
+    layer, (weight, _) = model.output_layer, tbm.output_weight(model)
+    rows = slice(rank * (S // tp), (rank + 1) * (S // tp))
+    full, mine = hidden.clone().requires_grad_(), hidden[rows].clone().requires_grad_()
+    lp_full = tbm.output_layer_logp(layer, full, labels, weight=weight)
+    dh_full, dw_full = torch.autograd.grad((lp_full * g).sum(), [full, weight])
+    layer.sequence_parallel = True
+    try:
+        lp_sp = tbm.output_layer_logp(layer, mine, labels, weight=weight)
+    finally:
+        layer.sequence_parallel = False
+    dh_sp, dw_sp = torch.autograd.grad((lp_sp * g).sum(), [mine, weight])
+    return (torch.equal(lp_full, lp_sp), float((dh_sp - dh_full[rows]).abs().max()),
+            float((dw_sp - dw_full).abs().max()))
 
 
 def _worker(rank, world, port, out_dir, names, device="cpu"):
@@ -157,6 +195,9 @@ def _check(ranks, name):
                 torch.testing.assert_close(r["ours"][k], r["meg_grads"][k], rtol=1e-4, atol=1e-5, msg=k)
         else:
             assert r["ours"].keys() == r["meg_grads"].keys()
+        if "sp" in r:
+            equal, dh, dw = r["sp"]
+            assert equal and dh <= 1e-6 and dw == 0.0
 
 
 def test_megatron_needs_the_last_stage():
