@@ -307,3 +307,13 @@ def test_contract_id_names_the_numeric_contract():
     for part in ("route=fused", "kernel=cpu", "tp=1", "cp=singlex1", "vocab=100/100", "chunk=25"):
         assert part in a.contract_id
     assert "dtype=float32" in a.contract_id and "dtype=bfloat16" in b.contract_id
+
+
+def test_a_partition_that_is_not_megatrons_is_unavailable():
+    req = _request()
+    req.context.vocab_partition.local_start = 10  # not rank 0's shard
+    with pytest.raises(vime.ProviderUnavailable, match="vocab partition"):
+        vime.provider(req)
+    req.context.vocab_partition.local_size = 90
+    with pytest.raises(ValueError, match="local_size"):
+        vime.provider(req)

@@ -173,9 +173,11 @@ def _read(request) -> _Req:
             raise ValueError(f"request.context.hidden must be [T = {n}, H] on {dev}, got {tuple(hidden.shape)} on "
                              f"{hidden.device}")
         partition = (int(vp.local_start), int(vp.local_size), int(vp.real_size), int(vp.padded_size))
-        if weight.shape[0] != partition[1]:
-            raise ValueError(f"request.context.projection.weight has {weight.shape[0]} rows, vocab_partition."
-                             f"local_size is {partition[1]}")
+        for name, rows in (("context.projection.weight", weight.shape[0]),
+                           ("logits", None if logits is None else logits.shape[1])):
+            if rows is not None and rows != partition[1]:
+                raise ValueError(f"request.{name} has {rows} vocab entries, context.vocab_partition.local_size is "
+                                 f"{partition[1]}")
     if logits is None and ctx is None:
         raise ValueError("request has neither logits nor context")
     v_local = logits.shape[1] if logits is not None else weight.shape[0]
@@ -212,6 +214,13 @@ def _fused_unavailable(r: _Req) -> Optional[str]:
         return why
     if r.weight.dtype != r.hidden.dtype:
         return f"context weight dtype {r.weight.dtype} differs from hidden dtype {r.hidden.dtype}"
+    return _partition_unsupported(r)
+
+
+def _partition_unsupported(r: _Req) -> Optional[str]:
+    """Both routes take rank r's equal contiguous shard of the padded vocab (as Megatron's)."""
+    if r.partition is None:
+        return None
     start, size, _, padded = r.partition
     if start != r.tp_rank * size or padded != r.tp * size:
         return (f"vocab partition {r.partition} is not the equal contiguous shard of rank {r.tp_rank} of {r.tp} "
@@ -224,7 +233,7 @@ def _logits_unavailable(r: _Req) -> Optional[str]:
         return "no logits"
     if not r.logits.dtype.is_floating_point:
         return f"logits dtype {r.logits.dtype}"
-    return unsupported(r.logits.new_empty((0,), dtype=F32))
+    return unsupported(r.logits.new_empty((0,), dtype=F32)) or _partition_unsupported(r)
 
 
 def _route(r: _Req) -> tuple:
