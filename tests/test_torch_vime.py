@@ -14,7 +14,7 @@ import oracle
 import vime_side
 from torch_bridge import vime
 
-F32, F64 = torch.float32, torch.float64
+F64 = torch.float64
 DT = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 

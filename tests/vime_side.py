@@ -7,7 +7,6 @@ from types import SimpleNamespace
 
 import torch
 
-F32 = torch.float32
 
 
 def request(targets, *, logits=None, hidden=None, weight=None, bias=None, partition=None, tp_group=None,
