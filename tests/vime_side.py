@@ -8,7 +8,6 @@ from types import SimpleNamespace
 import torch
 
 
-
 def request(targets, *, logits=None, hidden=None, weight=None, bias=None, partition=None, tp_group=None,
             cp=(1, 0, "single"), with_entropy=True, with_entropy_grad=True, chunk_size=-1, keep_mask=None,
             temperature=None, metadata=None):
