@@ -63,7 +63,8 @@ def linear_logp(model, hidden, labels, *, temperature=1.0, return_entropy=False,
                 ignore_index=-100, mode=None, backward="auto"):
     """logp [b, s] f32 (and entropy [b, s] with return_entropy) of labels [b, s] under the model's
     output layer applied to hidden [s, b, h] (the decoder's output; [s / TP, b, h] under sequence
-    parallelism). model: a megatron-core GPTModel on its last pipeline stage. real_vocab_size:
+    parallelism). model: a megatron-core GPTModel on its last pipeline stage (unwrapped from DDP /
+    Float16Module: megatron.core.utils.unwrap_model). real_vocab_size:
     the tokenizer's vocab (default: the padded vocab, as Megatron scores it). temperature: a float
     or a [b, s] tensor; mode/backward as torch_bridge.linear_logp."""
     _check_last_stage(model)
