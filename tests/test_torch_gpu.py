@@ -189,7 +189,7 @@ def test_vime_provider_cuda_routes_and_row_chunks():
     oracle.assert_values(to_np(r.logp[:, 0]), ref["logp"], "fused logp")
     logits = (d["hidden"].float() @ d["weight"].float().T) / T[:, None]
     keep = torch.rand(64, 1024, device=CUDA) < 0.5
-    keep[torch.arange(64), d["targets"]] = True
+    keep[torch.arange(64, device=CUDA), d["targets"]] = True
     runs = [vime.provider(vime_side.request(d["targets"], logits=logits, keep_mask=keep, chunk_size=c), "strict")
             for c in (-1, 7)]
     assert runs[0].backend_id == "rlk.logits.cuda"
