@@ -1,8 +1,8 @@
 """torch_bridge.linear_logp's backward strategies (issue #5): "lean" recomputes the logits, "fast"
 reads the logits the forward kept, "auto" picks fast within a memory budget. Oracle checks of both
 strategies run over the whole case grid in test_torch_linear_logp.py and under TP in
-test_torch_tp.py; here: the rule, what is kept and when, the one-backward guard, errors, the
-provider field and Inductor."""
+test_torch_tp.py; here: the rule, what is kept and when, the one-backward guard, errors,
+the vime provider and Inductor."""
 import pytest
 
 pytest.importorskip("torch", reason="torch is not installed: these tests need it")
@@ -13,7 +13,6 @@ import torch
 import _rlk_core
 import torch_bridge
 from torch_bridge import _ops
-from torch_bridge import provider as P
 from torch_bridge._args import DEFAULT_BACKWARD_MEMORY_BUDGET, kept_logits_dtype, resolve_backward
 from torch_helpers import make_inputs, value_and_grads
 
@@ -205,29 +204,20 @@ def test_lean_backpropagates_twice():
     assert torch.equal(h.grad, once * 2)  # x + x is exact
 
 
-# ---- the provider's field -------------------------------------------------------------------------
+# ---- the vime provider: backward "auto" within the env budget --------------------------------------
 
-@pytest.mark.parametrize("backward,fast", [("fast", True), ("lean", False), ("auto", True)])
-def test_provider_passes_the_strategy_through(backward, fast):
+@pytest.mark.parametrize("budget,fast", [("0", False), (None, True)])
+def test_vime_provider_follows_the_env_budget(monkeypatch, budget, fast):
+    import vime_side
+    from torch_bridge import vime
+    if budget is not None:
+        monkeypatch.setenv("RLK_BACKWARD_MEMORY_BUDGET", budget)
     d, _, g, _ = make_inputs(7, 24, 16, 200, "bfloat16")
     h = d["hidden"].clone().requires_grad_()
-    ctx = P.LinearLogpContext(h, P.LinearProjection(d["weight"]), P.VocabPartition(0, 200, 200, 200))
-    req = P.LinearLogpRequest(d["targets"], context=ctx, backward=backward)
     before = _fast_calls()
-    r = P.compute_linear_logp(req, "strict")
+    r = vime.provider(vime_side.request(d["targets"], hidden=h, weight=d["weight"]), "strict")
     (r.logp[:, 0] * g).sum().backward()
-    assert _fast_calls() - before == int(fast) and r.provenance["backward"] == backward
-
-
-def test_provider_auto_follows_the_env_budget(monkeypatch):
-    monkeypatch.setenv("RLK_BACKWARD_MEMORY_BUDGET", "0")
-    d, _, g, _ = make_inputs(7, 24, 16, 200, "bfloat16")
-    h = d["hidden"].clone().requires_grad_()
-    ctx = P.LinearLogpContext(h, P.LinearProjection(d["weight"]), P.VocabPartition(0, 200, 200, 200))
-    before = _fast_calls()
-    r = P.compute_linear_logp(P.LinearLogpRequest(d["targets"], context=ctx), "strict")
-    (r.logp[:, 0] * g).sum().backward()
-    assert _fast_calls() == before
+    assert _fast_calls() - before == int(fast)
 
 
 # ---- torch.compile with Inductor (the lean backward passes an empty tensor, not None: see _ops) --------

@@ -14,10 +14,10 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # share the GPU
 
 import _rlk_core  # noqa: E402
 import torch_bridge  # noqa: E402
-from torch_bridge import provider as P  # noqa: E402
+import oracle  # noqa: E402
 from oracle import case_grid
 import torch_helpers  # noqa: E402
-from torch_helpers import check_against_oracle, make_inputs, to_np, value_and_grads  # noqa: E402
+from torch_helpers import check_against_oracle, make_inputs, oracle_of, to_np, value_and_grads  # noqa: E402
 
 pytestmark = [
     pytest.mark.gpu,
@@ -177,11 +177,58 @@ def test_cuda_graph_capture_and_replay(backward):
             assert torch.equal(a, b_)
 
 
-def test_provider_strict_cuda_route():
-    d, kw, g, e = make_inputs(12, 64, 128, 1024, "bfloat16", device=CUDA)
-    ctx = P.LinearLogpContext(d["hidden"], P.LinearProjection(d["weight"]), P.VocabPartition(0, 1024, 1024, 1024))
-    r = P.compute_linear_logp(P.LinearLogpRequest(d["targets"], context=ctx, with_entropy=True), "strict")
-    assert r.backend_id in ("rlk.cuda_sm90", "rlk.cuda_portable") and r.logp.device.type == "cuda"
+def test_vime_provider_cuda_routes_and_row_chunks():
+    import vime_side
+    from torch_bridge import vime
+    d, kw, g, e = make_inputs(12, 64, 128, 1024, "bfloat16", temp="array", device=CUDA)
+    T = kw["temperature"]
+    r = vime.provider(vime_side.request(d["targets"], hidden=d["hidden"], weight=d["weight"], temperature=T),
+                      "strict")
+    assert r.backend_id in ("rlk.fused.cuda_sm90", "rlk.fused.cuda_portable") and r.logp.device.type == "cuda"
+    ref = oracle_of(d, kw, g, e)
+    oracle.assert_values(to_np(r.logp[:, 0]), ref["logp"], "fused logp")
+    logits = (d["hidden"].float() @ d["weight"].float().T) / T[:, None]
+    keep = torch.rand(64, 1024, device=CUDA) < 0.5
+    keep[torch.arange(64, device=CUDA), d["targets"]] = True
+    runs = [vime.provider(vime_side.request(d["targets"], logits=logits, keep_mask=keep, chunk_size=c), "strict")
+            for c in (-1, 7)]
+    assert runs[0].backend_id == "rlk.logits.cuda"
+    assert torch.equal(runs[0].logp, runs[1].logp) and torch.equal(runs[0].entropy, runs[1].entropy)
+    z = logits.double().masked_fill(~keep, float("-inf"))
+    want = torch.log_softmax(z, -1).gather(1, d["targets"][:, None])
+    assert float((runs[0].logp.double() - want).abs().max()) <= 2e-5 * (1 + float(want.abs().max()))
+
+
+def test_vime_provider_captures_in_a_cuda_graph():
+    """A tensor temperature, mode strict: no host sync on the provider path."""
+    import vime_side
+    from torch_bridge import vime
+    d, kw, g, e = make_inputs(13, 200, 128, 1024, "bfloat16", temp="array", device=CUDA)
+    h = d["hidden"].clone().requires_grad_()
+    w = d["weight"].clone().requires_grad_()
+    t, T = d["targets"].clone(), kw["temperature"].clone()
+
+    def step():
+        r = vime.provider(vime_side.request(t, hidden=h, weight=w, temperature=T), "strict")
+        dh, dw = torch.autograd.grad((r.logp[:, 0] * g).sum() + (r.entropy * e).sum(), [h, w])
+        return r.logp, r.entropy, dh, dw
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static = step()
+    d2, kw2, _, _ = make_inputs(14, 200, 128, 1024, "bfloat16", temp="array", device=CUDA)
+    with torch.no_grad():
+        h.copy_(d2["hidden"]), t.copy_(d2["targets"]), T.copy_(kw2["temperature"])
+    graph.replay()
+    torch.cuda.synchronize()
+    for a, b in zip(static, step()):
+        assert torch.equal(a, b)
 
 
 def _run_helper(fn, tmp_path, **env):

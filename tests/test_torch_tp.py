@@ -1,6 +1,6 @@
 """Vocab-parallel torch_bridge.linear_logp over 2 and 4 gloo processes: bitwise the same logp and
 entropy as the unsharded call (TP = 1, 2, 4), gradients against the float64 oracle with the lean and
-the fast backward, dH reduction options, the reference (off) path and the provider under TP."""
+the fast backward, dH reduction options, the reference (off) path and the vime provider (fused and logits routes) under TP."""
 import pytest
 
 pytest.importorskip("torch", reason="torch is not installed: these tests need it")
@@ -15,7 +15,8 @@ import torch.multiprocessing as mp
 import _rlk_core
 import oracle
 import torch_bridge
-from torch_bridge import provider as P
+from torch_bridge import vime
+import vime_side
 from torch_helpers import assert_grads, make_inputs, oracle_of, to_np
 
 # name: (seed, n, h, v_global, dtype, options)
@@ -63,19 +64,48 @@ def _run(d, kw, g, e, *, group=None, rank=0, world=1, mode=None, reduce_grad_hid
     return out
 
 
-def _provider_run(d, kw, g, group, rank, world):
+def _vime_fused(d, kw, g, group, rank, world):
     v = d["weight"].shape[0]
     v_local = v // world
     sl = slice(rank * v_local, (rank + 1) * v_local)
     h = d["hidden"].clone().requires_grad_()
-    bias = kw["bias"][sl] if "bias" in kw else None
-    ctx = P.LinearLogpContext(h, P.LinearProjection(d["weight"][sl], bias),
-                              P.VocabPartition(rank * v_local, v_local, kw.get("real_vocab_size", v), v))
-    req = P.LinearLogpRequest(d["targets"], tensor_parallel_group=group, context=ctx, with_entropy=True,
-                              temperature=kw.get("temperature"))
-    r = P.compute_linear_logp(req, "strict")
+    req = vime_side.request(d["targets"], hidden=h, weight=d["weight"][sl],
+                            bias=kw["bias"][sl] if "bias" in kw else None, tp_group=group,
+                            partition=(rank * v_local, v_local, kw.get("real_vocab_size", v), v),
+                            temperature=kw.get("temperature"))
+    r = vime.provider(req, "strict")
     (r.logp[:, 0] * g).sum().backward()
-    return dict(logp=r.logp[:, 0].detach(), ent=r.entropy.detach(), dh=h.grad, backend=r.backend_id)
+    return dict(logp=r.logp[:, 0].detach(), ent=r.entropy.detach(), dh=h.grad, backend=r.backend_id,
+                tp_rank=r.provenance["tp_rank"])
+
+
+def _vime_logits_inputs(name):
+    """Pre-scaled fp32 logits of the case, a top-p keep mask holding every valid target."""
+    d, kw, g, e = _case_inputs(name)
+    z = d["hidden"].float() @ d["weight"].float().T
+    if "bias" in kw:
+        z = z + kw["bias"].float()
+    temp = kw.get("temperature", 1.0)
+    z = z / (temp[:, None] if isinstance(temp, torch.Tensor) else temp)
+    keep = torch.rand(z.shape, generator=torch.Generator().manual_seed(7)) < 0.4
+    t = d["targets"]
+    valid = (t >= 0) & (t < kw.get("real_vocab_size", z.shape[1]))
+    keep[torch.arange(len(t))[valid], t[valid]] = True
+    return z, keep, t, kw.get("real_vocab_size"), g, e
+
+
+def vime_logits_run(name, group=None, rank=0, world=1):
+    """The logits route (keep mask, row chunks of 16) on this rank's shard: logp, entropy and the
+    gradient of sum g*logp + e*entropy to the shard's logits."""
+    z, keep, t, real, g, e = _vime_logits_inputs(name)
+    v_local = z.shape[1] // world
+    sl = slice(rank * v_local, (rank + 1) * v_local)
+    zl = z[:, sl].clone().requires_grad_()
+    req = vime_side.request(t, logits=zl, keep_mask=keep[:, sl], tp_group=group, chunk_size=16,
+                            metadata={"logits_are_temperature_scaled": True, "real_vocab_size": real})
+    r = vime.provider(req, "strict")
+    ((r.logp[:, 0] * g).sum() + (r.entropy * e).sum()).backward()
+    return dict(logp=r.logp[:, 0].detach(), ent=r.entropy.detach(), dz=zl.grad, backend=r.backend_id)
 
 
 def _worker(rank, world, port, out_dir):
@@ -92,7 +122,8 @@ def _worker(rank, world, port, out_dir):
             res[name + "/partial_dh"] = _run(d, kw, g, e, group=group, rank=rank, world=world,
                                              reduce_grad_hidden=False)["dh"]
             res[name + "/off"] = _run(d, kw, g, e, group=group, rank=rank, world=world, mode="off")
-            res[name + "/provider"] = _provider_run(d, kw, g, group, rank, world)
+            res[name + "/vime"] = _vime_fused(d, kw, g, group, rank, world)
+            res[name + "/vime_logits"] = vime_logits_run(name, group, rank, world)
         torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -187,14 +218,36 @@ def test_tp_reference_path_against_oracle(tp_results, name):
 
 
 @pytest.mark.parametrize("name", list(CASES))
-def test_tp_provider_strict_equals_linear_logp(tp_results, name):
+def test_tp_vime_fused_equals_linear_logp(tp_results, name):
     for world, ranks in tp_results.items():
-        for res in ranks:
-            pr = res[name + "/provider"]
-            assert pr["backend"] == "rlk.cpu"
+        for rank, res in enumerate(ranks):
+            pr = res[name + "/vime"]
+            assert pr["backend"] == "rlk.fused.cpu" and pr["tp_rank"] == rank
             assert torch.equal(pr["logp"].nan_to_num(), res[name]["logp"].nan_to_num())
             assert torch.equal(pr["ent"].nan_to_num(), res[name]["ent"].nan_to_num())
             assert pr["dh"].shape == res[name]["dh"].shape
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_tp_vime_logits_route_is_tp_invariant_and_exact(tp_results, name):
+    one = vime_logits_run(name)
+    z, keep, t, real, g, e = _vime_logits_inputs(name)
+    z64 = z.double().requires_grad_()
+    zp = z64 if real is None else z64.masked_fill(torch.arange(z.shape[1]) >= real, float("-inf"))
+    lp = torch.log_softmax(zp, -1)
+    ent = -(lp.exp() * lp.nan_to_num(0.0, 0.0, 0.0)).sum(-1)
+    ok = t >= 0  # ignore_index rows give 0 and no gradient
+    logp = torch.log_softmax(zp.masked_fill(~keep, float("-inf")), -1).gather(1, t.clamp(min=0)[:, None])[:, 0]
+    logp, ent = torch.where(ok, logp, 0.0), torch.where(ok, ent, 0.0)
+    ((logp * g.double()).sum() + (ent * e.double()).sum()).backward()
+    oracle.assert_values(to_np(one["logp"]), logp.detach().numpy(), "logits-route logp")
+    oracle.assert_values(to_np(one["ent"]), ent.detach().numpy(), "logits-route entropy")
+    oracle.assert_grad(to_np(one["dz"]), z64.grad.numpy(), "float32", "logits-route dz")
+    for world, ranks in tp_results.items():
+        got = [res[name + "/vime_logits"] for res in ranks]
+        for r in got:
+            assert torch.equal(r["logp"], one["logp"]) and torch.equal(r["ent"], one["ent"]), world
+        assert torch.equal(torch.cat([r["dz"] for r in got], dim=1), one["dz"]), world
 
 
 def test_tp_arguments_are_checked():

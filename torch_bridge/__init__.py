@@ -4,13 +4,15 @@ as rlk_xla, reached through DLPack; jax is never imported).
     torch_bridge.linear_logp(hidden, weight, targets, ...)   fused, autograd, torch.compile-able
     torch_bridge.reference.linear_logp(...)                  the native torch path (off / fallback)
     torch_bridge.route_stats() / reset_route_stats()         routes, fallbacks, audit
-    torch_bridge.provider                                    the RL framework's provider contract
+    torch_bridge.vime.provider                               vime's linear-logp provider (docs/vime.md)
+    torch_bridge.logits.logp_from_logits(...)                the same contract from materialized logits
+    torch_bridge.megatron.linear_logp(model, hidden, labels) a megatron-core GPTModel, no logits
 """
 from ._args import validate_targets
 from .linear_logp import linear_logp
 from .routes import MODES, reset_route_stats, route_stats
 from . import reference
-from . import provider
+from . import logits, megatron, vime
 
-__all__ = ["linear_logp", "reference", "provider", "validate_targets", "route_stats", "reset_route_stats", "MODES"]
+__all__ = ["linear_logp", "reference", "logits", "megatron", "vime", "validate_targets", "route_stats", "reset_route_stats", "MODES"]
 __version__ = "0.1.0"
