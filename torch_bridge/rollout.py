@@ -26,8 +26,7 @@ from . import _ops
 from ._args import DTYPE_CODE, check_temperature, check_tensors, chunk_of, tp_layout, unsupported
 
 F32 = torch.float32
-# Padding rows may carry this id (logp 0, entropy 0) or any real id; other ids give a NaN row.
-PAD_ID = -100
+PAD_ID = common.PAD_ID  # padding rows carry it (logp 0, entropy 0) or any real id; other ids give NaN rows
 
 
 @dataclasses.dataclass(frozen=True)
