@@ -1,6 +1,7 @@
 """Vocab-parallel torch_bridge.linear_logp over 2 and 4 gloo processes: bitwise the same logp and
 entropy as the unsharded call (TP = 1, 2, 4), gradients against the float64 oracle with the lean and
-the fast backward, dH reduction options, the reference (off) path and the provider under TP."""
+the fast backward, dH reduction options, the reference (off) path and the provider under TP; and the
+rollout side: score_sampled on padded decode batches at TP 2 and 4 gives the TP 1 trainer's rows."""
 import pytest
 
 pytest.importorskip("torch", reason="torch is not installed: these tests need it")
@@ -14,6 +15,7 @@ import torch.multiprocessing as mp
 
 import _rlk_core
 import oracle
+import rollout_helpers as R
 import torch_bridge
 from torch_bridge import provider as P
 from torch_helpers import assert_grads, make_inputs, oracle_of, to_np
@@ -93,6 +95,11 @@ def _worker(rank, world, port, out_dir):
                                              reduce_grad_hidden=False)["dh"]
             res[name + "/off"] = _run(d, kw, g, e, group=group, rank=rank, world=world, mode="off")
             res[name + "/provider"] = _provider_run(d, kw, g, group, rank, world)
+        for name in R.CASES:
+            d, kw = R.trainer_inputs(name, 2048)
+            for i, live in enumerate(R.LIVE):
+                res[f"rollout/{name}/{live}"] = R.score(name, d, kw, live, seed=i, tp_group=group, rank=rank,
+                                                        world=world)
         torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -110,7 +117,7 @@ def tp_results(tmp_path_factory):
     for world in (2, 4):
         d = tmp_path_factory.mktemp(f"tp{world}")
         mp.spawn(_worker, args=(world, _free_port(), str(d)), nprocs=world, join=True)
-        out[world] = [torch.load(d / f"rank{r}.pt") for r in range(world)]
+        out[world] = [torch.load(d / f"rank{r}.pt", weights_only=False) for r in range(world)]  # our own files
     return out
 
 
@@ -195,6 +202,17 @@ def test_tp_provider_strict_equals_linear_logp(tp_results, name):
             assert torch.equal(pr["logp"].nan_to_num(), res[name]["logp"].nan_to_num())
             assert torch.equal(pr["ent"].nan_to_num(), res[name]["ent"].nan_to_num())
             assert pr["dh"].shape == res[name]["dh"].shape
+
+
+def test_tp_rollout_scores_equal_tp1_trainer_rows(tp_results):
+    """The engine at TP 2 or 4, the trainer at TP 1: the same bits on every live row."""
+    for name in R.CASES:
+        d, kw = R.trainer_inputs(name, 2048)
+        ref = R.trainer(name, d, kw)
+        for world, ranks in tp_results.items():
+            for r, res in enumerate(ranks):
+                for live in R.LIVE:
+                    R.assert_rows_equal(name, res[f"rollout/{name}/{live}"], ref, live, f"TP{world} rank {r}: ")
 
 
 def test_tp_arguments_are_checked():
