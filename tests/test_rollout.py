@@ -40,6 +40,23 @@ def test_out_buffers_are_reused_and_results_carry_no_autograd_state():
         assert same_bits(logp, fresh[0]) and same_bits(ent, fresh[1])
 
 
+def test_no_allocation_with_out():
+    """The profiler's memory events of one call: none with out=, some without."""
+    from torch.profiler import ProfilerActivity, profile
+    d, kw = trainer_inputs("bf16_temp_array_bias_entropy", 8)
+    bufs = rollout.score_buffers(8, d["weight"], bias=kw["bias"], return_entropy=True)
+
+    def memory_events(out):
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            rollout.score_sampled(d["hidden"], d["weight"], d["targets"], temperature=kw["temperature"],
+                                  bias=kw["bias"], real_vocab_size=REAL, return_entropy=True, out=out)
+        return [e.cpu_memory_usage for e in prof.events() if e.name == "[memory]"]
+
+    memory_events(bufs)  # a first call may initialize what it uses
+    assert memory_events(bufs) == []
+    assert memory_events(None)  # the profiler does see a call that makes its own buffers
+
+
 def test_arguments_are_checked():
     d, kw = trainer_inputs("f32", 8)
     h, w, ids = d["hidden"], d["weight"], d["targets"]

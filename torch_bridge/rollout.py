@@ -62,7 +62,7 @@ class ScoreBuffers:
         wrong = [k for k in want if want[k] != got[k]]
         if with_entropy and not self.with_entropy:
             wrong.append("return_entropy")
-        if _workspace_bytes(hidden, weight, has_bias, with_entropy, tp) > (0 if self.workspace is None
+        if _workspace_bytes(hidden.shape[0], weight, has_bias, with_entropy, tp) > (0 if self.workspace is None
                                                                             else self.workspace.numel()):
             wrong.append("workspace (another hidden size or dtype)")
         if wrong:
@@ -78,12 +78,12 @@ def _chunking(weight: Tensor, tp: int) -> tuple[int, int]:
     return chunk, v_local * tp // chunk
 
 
-def _workspace_bytes(hidden_or_rows, weight: Tensor, has_bias: bool, with_entropy: bool, tp: int) -> int:
+def _workspace_bytes(rows: int, weight: Tensor, has_bias: bool, with_entropy: bool, tp: int) -> int:
+    """CUDA scratch bytes of one forward over `rows` rows (0 off CUDA)."""
     if weight.device.type != "cuda":
         return 0
-    n = hidden_or_rows if isinstance(hidden_or_rows, int) else hidden_or_rows.shape[0]
     chunk, _ = _chunking(weight, tp)
-    return _ops.workspace_bytes(n, weight.shape[1], weight.shape[0], chunk, weight.dtype, has_bias, with_entropy,
+    return _ops.workspace_bytes(rows, weight.shape[1], weight.shape[0], chunk, weight.dtype, has_bias, with_entropy,
                                 _ops.FORWARD)
 
 
