@@ -36,6 +36,7 @@ def _bits(x):
 
 def decode_batch(d, kw, live, seed):
     """`live` rows of the trainer's batch padded to their capture size with poisoned rows."""
+    real = kw["real_vocab_size"]
     cap = min(c for c in CAPTURE if c >= live)
     rng = np.random.default_rng(seed)
     off = int(rng.integers(0, d["hidden"].shape[0] - live + 1))
@@ -43,7 +44,7 @@ def decode_batch(d, kw, live, seed):
     junk = rng.standard_normal((pad, d["hidden"].shape[1])) * 1e4
     junk[:1, :1] = np.nan
     hidden = jnp.concatenate([d["hidden"][off:off + live], jnp.asarray(junk, d["hidden"].dtype)])
-    pad_ids = np.where(rng.random(pad) < 0.5, rollout.PAD_ID, rng.integers(0, REAL, pad)).astype(np.int32)
+    pad_ids = np.where(rng.random(pad) < 0.5, rollout.PAD_ID, rng.integers(0, real, pad)).astype(np.int32)
     ids = jnp.concatenate([d["targets"][off:off + live], jnp.asarray(pad_ids)])
     t = kw.get("temperature", 1.0)
     if not isinstance(t, float):
@@ -51,10 +52,10 @@ def decode_batch(d, kw, live, seed):
     return hidden, ids, t, slice(off, off + live)
 
 
-@functools.partial(jax.jit, static_argnames=("entropy", "tp"))
-def score(hidden, weight, ids, t, bias, *, entropy, tp):
+@functools.partial(jax.jit, static_argnames=("real", "entropy", "tp"))
+def score(hidden, weight, ids, t, bias, *, real, entropy, tp):
     def f(h, w, i, t, b):
-        return rollout.score_sampled(h, w, i, temperature=t, bias=b, real_vocab_size=REAL, return_entropy=entropy,
+        return rollout.score_sampled(h, w, i, temperature=t, bias=b, real_vocab_size=real, return_entropy=entropy,
                                      axis_name="tp" if tp > 1 else None)
     if tp == 1:
         return f(hidden, weight, ids, t, bias)
@@ -64,19 +65,40 @@ def score(hidden, weight, ids, t, bias, *, entropy, tp):
                      out_specs=out)(hidden, weight, ids, t, bias)
 
 
-@pytest.mark.parametrize("name", list(CASES))
-def test_padded_decode_rows_equal_trainer_rows_tp1_and_tp2(name):
+def check_rows(name, rows, tps, h=H, v=V, real=REAL):
     dtype, temp, entropy, bias = CASES[name]
-    d, kw, _, _ = make_inputs(7, 2048, H, V, dtype, bias=bias, temp=temp, real_vocab=REAL)  # GPU: 16384 rows
+    d, kw, _, _ = make_inputs(7, rows, h, v, dtype, bias=bias, temp=temp, real_vocab=real)
     ref = rlk_xla.linear_logp(d["hidden"], d["weight"], d["targets"], return_entropy=True, mode="strict", **kw)
     for i, live in enumerate(LIVE):
         hidden, ids, t, rows = decode_batch(d, kw, live, seed=i)
-        for tp in (1, 2):
+        for tp in tps:
             out = score(hidden, d["weight"], ids, jnp.float32(t) if isinstance(t, float) else t, kw.get("bias"),
-                        entropy=entropy, tp=tp)
+                        real=real, entropy=entropy, tp=tp)
             got = out if entropy else (out,)
             for g, r in zip(got, ref):
                 assert np.array_equal(_bits(g[:live]), _bits(r[rows])), (name, live, tp)
+
+
+def _has_gpu():
+    try:
+        return bool(jax.devices("gpu"))
+    except RuntimeError:
+        return False
+
+
+GPU = [pytest.mark.gpu, pytest.mark.skipif(not _has_gpu(), reason="needs a GPU backend for jax "
+                                                                  "(jax.devices('gpu') is empty)")]
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_padded_decode_rows_equal_trainer_rows_tp1_and_tp2(name):
+    check_rows(name, 2048, tps=(1, 2))  # the GPU test below uses 16384 rows
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=GPU) for n in CASES])
+def test_gpu_padded_decode_rows_equal_16384_trainer_rows(name):
+    with jax.default_device(jax.devices("gpu")[0]):
+        check_rows(name, 16384, tps=(1,), h=2048, v=151936, real=151643)
 
 
 def test_arguments_are_checked():
@@ -230,15 +252,7 @@ def test_cpu_flax_decode_loop_rollout_equals_trainer():
     check(CPU_TINY)
 
 
-def _has_gpu():
-    try:
-        return bool(jax.devices("gpu"))
-    except RuntimeError:
-        return False
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not _has_gpu(), reason="needs a GPU backend for jax (jax.devices('gpu') is empty)")
-def test_gpu_flax_decode_loop_rollout_equals_trainer():
+@pytest.mark.parametrize("setup", [pytest.param(GPU_REAL, marks=GPU)])
+def test_gpu_flax_decode_loop_rollout_equals_trainer(setup):
     with jax.default_device(jax.devices("gpu")[0]):
-        check(GPU_REAL)
+        check(setup)
