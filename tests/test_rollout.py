@@ -1,9 +1,10 @@
 """torch_bridge.rollout.score_sampled: the rows of a decode batch padded to a capture size give
-bitwise the logp and entropy of the same rows of one large trainer call (linear_logp), for
-1, 3, 8, 64 and 256 live rows, bf16 and fp32, with and without temperature and entropy, TP 1 and
-(test_torch_tp.py: TP 2 and 4 over gloo against the TP 1 trainer); padding rows (poisoned hidden, padding or real ids) change
-nothing; out= reuses the caller's buffers. On the GPU (marked): 16384 trainer rows, and CUDA-graph
-capture/replay at the capture sizes without host syncs or allocations."""
+bitwise the logp and entropy of the same rows of one large trainer call (linear_logp), for 1, 3, 8,
+64 and 256 live rows, bf16 and fp32, with and without temperature and entropy (TP 2 and 4 over gloo
+against the TP 1 trainer: test_torch_tp.py); padding rows (poisoned hidden, padding or real ids)
+change nothing; out= reuses the caller's buffers and allocates nothing. On the GPU (marked): 16384
+trainer rows, and CUDA-graph capture/replay at the capture sizes without host syncs or
+allocations."""
 import pytest
 
 pytest.importorskip("torch", reason="torch is not installed: these tests need it")

@@ -173,7 +173,8 @@ def init_params(s: Setup, tokens):
         name = jax.tree_util.keystr(path)
         if x.ndim == 1:
             return jnp.ones(x.shape, x.dtype)
-        std = 3.0 / np.sqrt(s.hidden) if "lm_head" in name else 1.0 if "embedding" in name else 1.0 / np.sqrt(x.shape[0])
+        std = (3.0 / np.sqrt(s.hidden) if "lm_head" in name else 1.0 if "embedding" in name
+               else 1.0 / np.sqrt(x.shape[0]))
         return jnp.asarray(rng.standard_normal(x.shape) * std, x.dtype)
 
     return jax.tree_util.tree_map_with_path(draw, jax.eval_shape(Decoder(s).init, jax.random.key(0), tokens))

@@ -55,8 +55,8 @@ class ScoreBuffers:
     def check(self, hidden: Tensor, weight: Tensor, has_bias: bool, tp: int, with_entropy: bool) -> None:
         """ValueError unless these buffers were made for this call's shapes and options."""
         chunk, _ = _chunking(weight, tp)
-        want = dict(rows=hidden.shape[0], device=hidden.device, stats=(hidden.shape[0], weight.shape[0] // chunk, _ops.W),
-                    has_bias=has_bias, tp=tp)
+        n = hidden.shape[0]
+        want = dict(rows=n, device=hidden.device, stats=(n, weight.shape[0] // chunk, _ops.W), has_bias=has_bias, tp=tp)
         got = dict(rows=self.rows, device=self.logp.device, stats=tuple(self.stats.shape), has_bias=self.has_bias,
                    tp=self.tp)
         wrong = [k for k in want if want[k] != got[k]]
