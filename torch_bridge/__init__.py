@@ -5,12 +5,17 @@ as rlk_xla, reached through DLPack; jax is never imported).
     torch_bridge.reference.linear_logp(...)                  the native torch path (off / fallback)
     torch_bridge.route_stats() / reset_route_stats()         routes, fallbacks, audit
     torch_bridge.provider                                    the RL framework's provider contract
+    torch_bridge.rollout.score_sampled(hidden, weight, ids)  the inference engine's side: forward only,
+                                                             CUDA-graph capturable, the trainer's bits
+    torch_bridge.diagnostics.dlogp_stats(train, rollout)     per-step train/rollout figures
 """
 from ._args import validate_targets
 from .linear_logp import linear_logp
 from .routes import MODES, reset_route_stats, route_stats
 from . import reference
 from . import provider
+from . import diagnostics, rollout
 
-__all__ = ["linear_logp", "reference", "provider", "validate_targets", "route_stats", "reset_route_stats", "MODES"]
+__all__ = ["linear_logp", "reference", "provider", "rollout", "diagnostics", "validate_targets", "route_stats",
+           "reset_route_stats", "MODES"]
 __version__ = "0.1.0"
