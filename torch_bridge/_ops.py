@@ -9,6 +9,8 @@ collectives between them):
 and the fused single-shard forward op, with its autograd (LinearLogp), traceable by
 torch.compile(fullgraph=True):
   rlk::linear_logp            (logp, entropy, lse, kept logits); backward through rlk::linear_logp_backward
+The forward and combine calls also come as plain functions writing into caller-owned buffers
+(forward_into, combine_to): the rollout path (torch_bridge.rollout) allocates nothing.
 
 Every op passes `temperature` [n] f32 to the kernels, which form 1 / T themselves with a correctly
 rounded reciprocal: the JAX frontend does the same, so both give the same bits (XLA's and torch's
@@ -125,7 +127,7 @@ def forward_into(hidden, weight, bias32, targets, temperature32, stats, tl, logi
     """The compiled forward writing into buffers the caller owns (the rollout path allocates nothing):
     stats [n, v/chunk, W] f32, tl [n] f32, logits (kept) or None, workspace (CUDA scratch bytes) or
     None; with combine_into = (logp, lse, entropy) the same call combines the whole vocab into them.
-    Every tensor argument must already be contiguous; temperature32 [n] f32, targets [n] int32."""
+    temperature32 [n] f32 contiguous, targets [n] int32; a non-contiguous input is copied (allocates)."""
     with _on(hidden):
         core.forward(_c(hidden), _c(weight), _c(bias32), _c(targets), temperature32, stats, tl, logits, workspace,
                      int(vocab_start), int(real_vocab), int(chunk), int(ignore_index), bool(with_entropy),
