@@ -2,8 +2,8 @@
 linear_logp call (jit, TP 1 and vocab-parallel TP 2 under shard_map; bf16 and fp32; with and
 without temperature and entropy), and a flax decoder's jax.lax decode loop scored per step equals
 the trainer's linear_logp with gradients on the same hidden states (dlogp_stats also on the
-trainer's recomputed hidden states, beside the native logits + log_softmax). Run with -s to see
-the figures."""
+trainer's recomputed hidden states, beside the native logits + log_softmax); a torch engine and a
+JAX trainer agree to the bit. Run with -s to see the figures."""
 import pytest
 
 pytest.importorskip("jax", reason="jax is not installed: these tests need it")
@@ -99,6 +99,24 @@ def test_padded_decode_rows_equal_trainer_rows_tp1_and_tp2(name):
 def test_gpu_padded_decode_rows_equal_16384_trainer_rows(name):
     with jax.default_device(jax.devices("gpu")[0]):
         check_rows(name, 16384, tps=(1,), h=2048, v=151936, real=151643)
+
+
+def test_torch_engine_and_jax_trainer_agree():
+    """An engine in torch (torch_bridge.rollout) and a trainer in JAX (rlk_xla.linear_logp) on the
+    same rows: the same compiled kernels, the same bits."""
+    torch = pytest.importorskip("torch", reason="torch is not installed")
+    from torch_bridge import rollout as torch_rollout
+    d, kw, _, _ = make_inputs(3, 96, H, V, "bfloat16", bias=True, temp="array", real_vocab=REAL)
+    ref = rlk_xla.linear_logp(d["hidden"], d["weight"], d["targets"], return_entropy=True, **kw)
+
+    def t(x, dtype=torch.bfloat16):
+        return torch.tensor(np.asarray(x, np.float32) if dtype.is_floating_point else np.asarray(x)).to(dtype)
+
+    got = torch_rollout.score_sampled(t(d["hidden"][:8]), t(d["weight"]), t(d["targets"][:8], torch.int64),
+                                      temperature=t(kw["temperature"][:8], torch.float32), bias=t(kw["bias"]),
+                                      real_vocab_size=REAL, return_entropy=True)
+    for g, r in zip(got, ref):
+        assert np.array_equal(g.numpy().view(np.uint32), _bits(r[:8]))
 
 
 def test_arguments_are_checked():
