@@ -11,6 +11,8 @@ import os
 
 MODES = ("off", "auto", "strict", "audit")
 BACKWARDS = ("auto", "fast", "lean")
+# The id of a rollout padding row (both frontends' default ignore_index): logp 0, entropy 0.
+PAD_ID = -100
 DEFAULT_BACKWARD_MEMORY_BUDGET = 4 << 30  # bytes of kept logits backward="auto" may spend (per shard)
 COUNT_NAMES = ("fwd_calls", "fwd_tokens", "bwd_calls", "bwd_tokens", "bwd_fast_calls")
 # The shapes that matter (docs/design.md §6): name -> (tokens n, hidden h, local vocab V).

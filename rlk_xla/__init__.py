@@ -3,7 +3,8 @@ from ._args import validate_targets
 from .linear_logp import linear_logp
 from .parallel import vocab_parallel_linear_logp
 from .routes import MODES, reset_route_stats, route_stats
-from . import reference
+from . import diagnostics, reference, rollout
 
-__all__ = ["linear_logp", "vocab_parallel_linear_logp", "reference", "validate_targets", "route_stats", "reset_route_stats", "MODES"]
+__all__ = ["linear_logp", "vocab_parallel_linear_logp", "reference", "rollout", "diagnostics", "validate_targets",
+           "route_stats", "reset_route_stats", "MODES"]
 __version__ = "0.1.0"

@@ -101,8 +101,9 @@ class _Static:
     keep_logits: bool        # the fast backward: the forward keeps this shard's logits
 
 
-def fused_rows(a: Args, with_entropy: bool, keep_logits: bool = False):
-    """logp and entropy ([n] f32; entropy zeros unless asked) through the compiled kernels."""
+def fused_rows(a: Args, with_entropy: bool, keep_logits: bool = False, differentiable: bool = True):
+    """logp and entropy ([n] f32; entropy zeros unless asked) through the compiled kernels;
+    differentiable=False: the forward alone (no custom_vjp, the same launches)."""
     v_local = a.weight.shape[0]
     bias, ktargets = (None if a.bias is None else a.bias.astype(F32)), a.targets
     if a.axis_name is None:
@@ -120,8 +121,8 @@ def fused_rows(a: Args, with_entropy: bool, keep_logits: bool = False):
                              has_bias=bias is not None, with_entropy=with_entropy)
     st = _Static(cfg=cfg, real_vocab=a.real_vocab, ignore_index=a.ignore_index, axis_name=a.axis_name, tp=a.tp,
                  keep_logits=keep_logits)
-    chunk_offset = a.vocab_start // a.chunk
-    return _fused(st, a.hidden, a.weight, bias, a.temperature, a.targets, ktargets, chunk_offset)
+    args = (a.hidden, a.weight, bias, a.temperature, a.targets, ktargets, a.vocab_start // a.chunk)
+    return _fused(st, *args) if differentiable else _fused_fwd(st, *args)[0]
 
 
 def _shard_targets(a: Args, v_local: int):

@@ -1,6 +1,8 @@
 """Vocab-parallel torch_bridge.linear_logp over 2 and 4 gloo processes: bitwise the same logp and
 entropy as the unsharded call (TP = 1, 2, 4), gradients against the float64 oracle with the lean and
-the fast backward, dH reduction options, the reference (off) path and the vime provider (fused and logits routes) under TP."""
+the fast backward, dH reduction options, the reference (off) path and the vime provider (fused and
+logits routes) under TP; and the rollout side: score_sampled on padded decode batches at TP 2 and 4
+gives the TP 1 trainer's rows."""
 import pytest
 
 pytest.importorskip("torch", reason="torch is not installed: these tests need it")
@@ -14,6 +16,7 @@ import torch.multiprocessing as mp
 
 import _rlk_core
 import oracle
+import rollout_helpers as R
 import torch_bridge
 from torch_bridge import vime
 import vime_side
@@ -124,6 +127,11 @@ def _worker(rank, world, port, out_dir):
             res[name + "/off"] = _run(d, kw, g, e, group=group, rank=rank, world=world, mode="off")
             res[name + "/vime"] = _vime_fused(d, kw, g, group, rank, world)
             res[name + "/vime_logits"] = vime_logits_run(name, group, rank, world)
+        for name in R.CASES:
+            d, kw = R.trainer_inputs(name, 2048)
+            for i, live in enumerate(R.LIVE):
+                res[f"rollout/{name}/{live}"] = R.score(name, d, kw, live, seed=i, tp_group=group, rank=rank,
+                                                        world=world)
         torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -141,7 +149,7 @@ def tp_results(tmp_path_factory):
     for world in (2, 4):
         d = tmp_path_factory.mktemp(f"tp{world}")
         mp.spawn(_worker, args=(world, _free_port(), str(d)), nprocs=world, join=True)
-        out[world] = [torch.load(d / f"rank{r}.pt") for r in range(world)]
+        out[world] = [torch.load(d / f"rank{r}.pt", weights_only=False) for r in range(world)]  # our own files
     return out
 
 
@@ -248,6 +256,17 @@ def test_tp_vime_logits_route_is_tp_invariant_and_exact(tp_results, name):
         for r in got:
             assert torch.equal(r["logp"], one["logp"]) and torch.equal(r["ent"], one["ent"]), world
         assert torch.equal(torch.cat([r["dz"] for r in got], dim=1), one["dz"]), world
+
+
+def test_tp_rollout_scores_equal_tp1_trainer_rows(tp_results):
+    """The engine at TP 2 or 4, the trainer at TP 1: the same bits on every live row."""
+    for name in R.CASES:
+        d, kw = R.trainer_inputs(name, 2048)
+        ref = R.trainer(name, d, kw)
+        for world, ranks in tp_results.items():
+            for r, res in enumerate(ranks):
+                for live in R.LIVE:
+                    R.assert_rows_equal(name, res[f"rollout/{name}/{live}"], ref, live, f"TP{world} rank {r}: ")
 
 
 def test_tp_arguments_are_checked():

@@ -78,8 +78,8 @@ def _same_device(x, ref, name):
         raise ValueError(f"{name} is on {x.device} but hidden is on {ref.device}")
 
 
-def parse(hidden, weight, targets, *, bias, temperature, ignore_index, vocab_start, real_vocab_size,
-          tp_group) -> Args:
+def check_tensors(hidden, weight, targets, bias) -> tuple:
+    """Shapes, dtypes and devices of the operands (nothing runs); returns the targets' shape."""
     hs, ws, ts = _tensor(hidden, "hidden"), _tensor(weight, "weight"), _tensor(targets, "targets")
     common.check_shapes(hs, ws, ts, None if bias is None else _tensor(bias, "bias"))
     if not hidden.dtype.is_floating_point:
@@ -94,35 +94,55 @@ def parse(hidden, weight, targets, *, bias, temperature, ignore_index, vocab_sta
         if bias.dtype != weight.dtype:
             raise TypeError(f"bias dtype {bias.dtype} differs from weight dtype {weight.dtype}")
         _same_device(bias, hidden, "bias")
+    return ts
+
+
+def check_temperature(temperature, ts: tuple, hidden) -> float | None:
+    """A number: checked > 0 and returned as a float; a tensor: checked (floating, shaped () or like
+    the targets, on hidden's device) and None returned."""
+    scalar = common.scalar_temperature(temperature)
+    if scalar is not None:
+        return scalar
+    tshape = _tensor(temperature, "temperature")
+    if not temperature.dtype.is_floating_point:
+        raise TypeError(f"temperature must be a float or a floating tensor, got {temperature.dtype}")
+    if tshape not in ((), ts):
+        raise ValueError(f"temperature array must be shaped like targets {ts}, got {tshape}")
+    _same_device(temperature, hidden, "temperature")
+    return None
+
+
+def tp_layout(tp_group, v_local: int, vocab_start) -> tuple[int, int, int]:
+    """(tp, rank, vocab_start) of this rank's equal vocab shard; vocab_start None: rank * v_local."""
+    if tp_group is None:
+        if vocab_start not in (None, 0):
+            raise ValueError(f"vocab_start={vocab_start} needs tp_group: without it the weight holds the whole vocab")
+        return 1, 0, 0
+    import torch.distributed as dist
+    tp, rank = dist.get_world_size(tp_group), dist.get_rank(tp_group)
+    if vocab_start is None:
+        vocab_start = rank * v_local
+    elif not isinstance(vocab_start, numbers.Integral) or vocab_start != rank * v_local:
+        raise ValueError(f"vocab_start must be rank * V_local = {rank * v_local} (equal vocab shards in rank "
+                         f"order), got {vocab_start}")
+    return tp, rank, int(vocab_start)
+
+
+def parse(hidden, weight, targets, *, bias, temperature, ignore_index, vocab_start, real_vocab_size,
+          tp_group) -> Args:
+    ts = check_tensors(hidden, weight, targets, bias)
+    hs = tuple(hidden.shape)
     ignore_index = common.check_ignore_index(ignore_index)
 
     n = math.prod(ts)
-    scalar = common.scalar_temperature(temperature)
+    scalar = check_temperature(temperature, ts, hidden)
     if scalar is not None:
         temp, temp_is_array = torch.full((n,), scalar, dtype=F32, device=hidden.device), False
     else:
-        tshape = _tensor(temperature, "temperature")
-        if not temperature.dtype.is_floating_point:
-            raise TypeError(f"temperature must be a float or a floating tensor, got {temperature.dtype}")
-        if tshape not in ((), ts):
-            raise ValueError(f"temperature array must be shaped like targets {ts}, got {tshape}")
-        _same_device(temperature, hidden, "temperature")
         temp, temp_is_array = temperature.to(F32).expand(ts).reshape(n), True
 
-    v_local = ws[0]
-    if tp_group is None:
-        tp, rank = 1, 0
-        if vocab_start not in (None, 0):
-            raise ValueError(f"vocab_start={vocab_start} needs tp_group: without it the weight holds the whole vocab")
-        vocab_start = 0
-    else:
-        import torch.distributed as dist
-        tp, rank = dist.get_world_size(tp_group), dist.get_rank(tp_group)
-        if vocab_start is None:
-            vocab_start = rank * v_local
-        elif not isinstance(vocab_start, numbers.Integral) or vocab_start != rank * v_local:
-            raise ValueError(f"vocab_start must be rank * V_local = {rank * v_local} (equal vocab shards in rank "
-                             f"order), got {vocab_start}")
+    v_local = weight.shape[0]
+    tp, rank, vocab_start = tp_layout(tp_group, v_local, vocab_start)
     v_global = v_local * tp
     real = common.real_vocab(real_vocab_size, v_global)
 

@@ -9,6 +9,8 @@ collectives between them):
 and the fused single-shard forward op, with its autograd (LinearLogp), traceable by
 torch.compile(fullgraph=True):
   rlk::linear_logp            (logp, entropy, lse, kept logits); backward through rlk::linear_logp_backward
+The forward and combine calls also come as plain functions writing into caller-owned buffers
+(forward_into, combine_to): the rollout path (torch_bridge.rollout) allocates nothing.
 
 Every op passes `temperature` [n] f32 to the kernels, which form 1 / T themselves with a correctly
 rounded reciprocal: the JAX frontend does the same, so both give the same bits (XLA's and torch's
@@ -61,14 +63,21 @@ def _prepare_backward(device_index: int) -> None:
     core.cuda_prepare_backward(device_index)
 
 
+def workspace_bytes(n: int, h: int, v: int, chunk: int, dtype: torch.dtype, has_bias: bool, with_entropy: bool,
+                    which: int, dhidden_f32: bool = True) -> int:
+    """CUDA scratch bytes of one call (which: FORWARD, BACKWARD_LEAN or BACKWARD_FAST)."""
+    return int(core.cuda_workspace_bytes(n, h, v, chunk, DTYPE_CODE[dtype], has_bias, with_entropy,
+                                         dhidden_f32)[which])
+
+
 def _workspace(hidden: Tensor, v: int, chunk: int, has_bias: bool, with_entropy: bool, which: int,
                dhidden_f32: bool = True):
     if hidden.device.type != "cuda":
         return None
     if which != FORWARD:
         _prepare_backward(hidden.device.index)
-    nbytes = core.cuda_workspace_bytes(hidden.shape[0], hidden.shape[1], v, chunk, DTYPE_CODE[hidden.dtype],
-                                       has_bias, with_entropy, dhidden_f32)[which]
+    nbytes = workspace_bytes(hidden.shape[0], hidden.shape[1], v, chunk, hidden.dtype, has_bias, with_entropy, which,
+                             dhidden_f32)
     return torch.empty((nbytes,), dtype=torch.uint8, device=hidden.device) if nbytes > 0 else None
 
 
@@ -107,13 +116,29 @@ def _forward_stats(hidden, weight, bias, targets, temperature, vocab_start, real
     logits = _logits_like(hidden, v, keep_logits)
     if n == 0:
         return stats, tl, logits
-    with _on(hidden):
-        core.forward(_c(hidden), _c(weight), _c(bias), _c(targets), _temp(temperature), stats, tl,
-                     logits if keep_logits else None,
-                     _workspace(hidden, v, chunk, bias is not None, with_entropy, FORWARD), int(vocab_start),
-                     int(real_vocab), int(chunk), int(ignore_index), bool(with_entropy), _stream(hidden),
-                     *combine_into)
+    forward_into(hidden, weight, bias, targets, _temp(temperature), stats, tl, logits if keep_logits else None,
+                 _workspace(hidden, v, chunk, bias is not None, with_entropy, FORWARD), vocab_start, real_vocab,
+                 chunk, ignore_index, with_entropy, combine_into)
     return stats, tl, logits
+
+
+def forward_into(hidden, weight, bias32, targets, temperature32, stats, tl, logits, workspace, vocab_start,
+                 real_vocab, chunk, ignore_index, with_entropy, combine_into=()) -> None:
+    """The compiled forward writing into buffers the caller owns (the rollout path allocates nothing):
+    stats [n, v/chunk, W] f32, tl [n] f32, logits (kept) or None, workspace (CUDA scratch bytes) or
+    None; with combine_into = (logp, lse, entropy) the same call combines the whole vocab into them.
+    temperature32 [n] f32 contiguous, targets [n] int32; a non-contiguous input is copied (allocates)."""
+    with _on(hidden):
+        core.forward(_c(hidden), _c(weight), _c(bias32), _c(targets), temperature32, stats, tl, logits, workspace,
+                     int(vocab_start), int(real_vocab), int(chunk), int(ignore_index), bool(with_entropy),
+                     _stream(hidden), *combine_into)
+
+
+def combine_to(stats, target_logit, targets, logp, lse, ent, real_vocab, ignore_index) -> None:
+    """rlk::combine writing into the caller's [n] f32 buffers."""
+    with _on(stats):
+        core.combine(_c(stats), _c(target_logit), _c(targets), logp, lse, ent, int(real_vocab), int(ignore_index),
+                     _stream(stats))
 
 
 @torch.library.custom_op("rlk::forward_stats", mutates_args=())
@@ -141,9 +166,7 @@ def _combine(stats, target_logit, targets, real_vocab, ignore_index):
     logp, lse, ent = (torch.empty((n,), dtype=F32, device=stats.device) for _ in range(3))
     if n == 0:
         return logp, lse, ent
-    with _on(stats):
-        core.combine(_c(stats), _c(target_logit), _c(targets), logp, lse, ent, int(real_vocab), int(ignore_index),
-                     _stream(stats))
+    combine_to(stats, target_logit, targets, logp, lse, ent, real_vocab, ignore_index)
     return logp, lse, ent
 
 

@@ -1,0 +1,38 @@
+"""rlk_xla.rollout: the sampler's side of linear_logp (the twin of torch_bridge.rollout).
+
+score_sampled gives the log-probability (and entropy) of the token a JAX sampler just drew, from
+the decode step's final hidden state, through the same compiled kernels and with the same
+arguments as rlk_xla.linear_logp: the same bits for the same row, whatever the batch size, the
+padding rows and the vocab-parallel degree. Forward only; jit-able (one program per padded batch
+size); inside shard_map pass axis_name with this device's LM-head shard, as linear_logp.
+"""
+from __future__ import annotations
+
+from jax import lax
+
+import rlk_common as common
+
+from ._args import parse
+from .linear_logp import _unsupported, fused_rows
+
+PAD_ID = common.PAD_ID  # padding rows carry it (logp 0, entropy 0) or any real id; other ids give NaN rows
+
+
+def score_sampled(hidden, weight, sampled_ids, *, temperature=1.0, bias=None, axis_name=None, vocab_start=None,
+                  real_vocab_size=None, return_entropy=False):
+    """log_softmax((hidden @ weight.T + bias) / temperature)[sampled_ids] per row, forward only.
+
+    hidden [n, H] (bf16, fp16 or fp32), weight [V_local, H], sampled_ids [n] int global ids (PAD_ID
+    for padding rows), temperature a float > 0 or an [n] array, bias [V_local] or None. Returns
+    logp [n] f32, or (logp, entropy) with return_entropy: bitwise what rlk_xla.linear_logp returns
+    for the same rows and options. No gradient flows through it (lax.stop_gradient)."""
+    a = parse(hidden, weight, sampled_ids, bias=bias, temperature=temperature, ignore_index=PAD_ID,
+              vocab_start=vocab_start, real_vocab_size=real_vocab_size, axis_name=axis_name)
+    if len(a.out_shape) != 1:
+        raise ValueError(f"hidden must be [n, H] and sampled_ids [n] (one row per sequence of the decode batch), "
+                         f"got hidden {tuple(hidden.shape)}")
+    reason = _unsupported(a)
+    if reason is not None:
+        raise RuntimeError(f"rlk_xla.rollout.score_sampled needs the fused kernels (the trainer's bits): {reason}")
+    logp, ent = lax.stop_gradient(fused_rows(a, return_entropy, differentiable=False))
+    return (logp, ent) if return_entropy else logp
