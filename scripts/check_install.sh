@@ -2,23 +2,22 @@
 # Prove that an isolated build (pip's default: the jaxlib pinned in pyproject.toml supplies the XLA
 # FFI headers) has rlk_xla's CPU kernels and runs them under the oldest and the newest jax we test:
 # build one wheel, install it into a fresh venv per jax version, run a strict-mode smoke test.
-# Usage: bash scripts/check_install.sh [JAX_VERSION ...]   (default: 0.6.0 and the newest on the index)
+# Usage: bash scripts/check_install.sh [JAX_REQUIREMENT ...]   (default: jax==0.6.0 and the newest jax)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
-[ "$#" -gt 0 ] || set -- 0.6.0 ""
+[ "$#" -gt 0 ] || set -- "jax==0.6.0" jax
 
 # CPU kernels only (the CUDA backend would add many minutes of nvcc and cannot run here); a build
 # directory of its own, so that the tree's own build (scripts/setup.sh) is left as it is.
-RLK_CUDA=OFF "$PY" -m pip wheel -q --no-deps -w "$work/wheel" -C build-dir="$work/build" . 2>&1 \
-  | grep -v "^WARNING: Location" || true
+RLK_CUDA=OFF "$PY" -m pip wheel -q --no-deps -w "$work/wheel" --config-settings=build-dir="$work/build" .
 wheel=$(echo "$work"/wheel/rlk_xla-*.whl)
 
-for version in "$@"; do
+for jax in "$@"; do
   "$PY" -m venv "$work/venv"
-  "$work/venv/bin/pip" install -q "$wheel" "jax${version:+==$version}" 2>&1 | grep -v "^WARNING: Location" || true
+  "$work/venv/bin/pip" install -q "$wheel" "$jax"
   "$work/venv/bin/python" - <<'PY'
 import jax, jax.numpy as jnp, jaxlib, numpy as np
 import rlk_xla
