@@ -43,7 +43,7 @@ else
     || echo "setup: torch not installed; torch_bridge tests will be skipped"
 fi
 python -c "import jax; print('setup: jax', jax.__version__, 'on', jax.default_backend())"
-python -c "import torch; print('setup: torch', torch.__version__, '(CUDA', torch.version.cuda, ')')" 2>/dev/null || true
+python -c "import torch; print('setup: torch', torch.__version__)" 2>/dev/null || true
 # --no-build-isolation: build against the jaxlib installed here (its FFI headers), incrementally
 # in build/; pip install . would build against the oldest jaxlib supported (pyproject.toml).
 pip install -q --no-build-isolation . 2>&1 | tail -n 20
