@@ -2,15 +2,40 @@
 from __future__ import annotations
 
 import functools
+import importlib.util
+import warnings
 
 try:
     import _rlk_core as core
 except ImportError as e:  # pragma: no cover - only when the build is missing
     raise ImportError(
         "rlk_xla: the compiled module _rlk_core is not installed; build it with "
-        "`pip install --no-build-isolation .` (see README)") from e
+        "`pip install .` (see README, Install)") from e
 
 import jax
+
+# jax's CUDA plugins (jax[cuda12], jax[cuda13]): with one installed, jax runs on the GPU.
+CUDA_PLUGINS = ("jax_cuda12_plugin", "jax_cuda13_plugin")
+FALLBACK = "rlk_xla runs the reference (mode='auto') or raises (mode='strict')"
+
+
+def missing_kernels() -> str | None:
+    """What this build lacks for a platform jax can run on here, and the fix; None if nothing.
+    Looks at installed packages only: starting a jax backend here would come before the caller's
+    jax.distributed.initialize."""
+    if not core.has_xla_ffi:
+        return (f"this build of _rlk_core has no XLA FFI handlers (built with RLK_XLA_FFI=OFF), so {FALLBACK}. "
+                "Reinstall with them: `pip install .` (README, Install)")
+    if not core.has_cuda and any(importlib.util.find_spec(p) for p in CUDA_PLUGINS):
+        return (f"jax's CUDA plugin is installed but this build of _rlk_core has no CUDA kernels (built without "
+                f"nvcc, or with RLK_CUDA=OFF), so on a GPU {FALLBACK}. Rebuild with nvcc on PATH: `pip install .` "
+                "(README, Install)")
+    return None
+
+
+if (_missing := missing_kernels()) is not None:
+    warnings.warn(f"rlk_xla: {_missing}", RuntimeWarning)
+
 
 @functools.lru_cache(maxsize=None)
 def registered_platforms() -> tuple[str, ...]:

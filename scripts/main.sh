@@ -4,6 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
+# shellcheck disable=SC1091
 . .venv/bin/activate
 python -m rlk_xla check
 python -m rlk_xla bench --shape small

@@ -3,5 +3,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
+# shellcheck disable=SC1091
 . .venv/bin/activate
 python -m pytest -q tests "$@"

@@ -6,6 +6,6 @@ try:
 except ImportError as e:  # pragma: no cover - only when the build is missing
     raise ImportError(
         "torch_bridge: the compiled module _rlk_core is not installed; build it with "
-        "`pip install --no-build-isolation .` (see README)") from e
+        "`pip install .` (see README, Install)") from e
 
 __all__ = ["core"]
