@@ -137,17 +137,20 @@ def time_ms(fn, *args, iters: int = 10, batch: int = 1) -> float:
     return float(np.median([sample_ms(fn, *args, batch=batch) for _ in range(iters)]))
 
 
-def time_pair(fused, ref, args, iters: int, warmup: int = 2):
+def time_pair(fused, ref, args, iters: int, warmup: int = 2, min_sample_s: float = 0.05):
     """Samples of two callables taken alternately (fused, reference, fused, ...), so that a change in
-    the machine's load (shared CPUs) hits both alike. -> (fused ms, reference ms, fused / reference
-    per pair), each a list of `iters`."""
-    for _ in range(warmup):
-        jax.block_until_ready(fused(*args))
-        jax.block_until_ready(ref(*args))
+    the machine's load (shared CPUs) hits both alike. A sample times enough calls back to back (then
+    one wait) to last about `min_sample_s`, so the wait's latency is a small part of it. -> (fused ms,
+    reference ms, fused / reference per pair), each a list of `iters`."""
+    batch = []
+    for fn in (fused, ref):
+        for _ in range(warmup):
+            jax.block_until_ready(fn(*args))
+        batch.append(max(1, int(np.ceil(min_sample_s / _wall(fn, args, 1)))))
     f, r = [], []
     for _ in range(iters):
-        f.append(sample_ms(fused, *args))
-        r.append(sample_ms(ref, *args))
+        f.append(_wall(fused, args, batch[0]) / batch[0] * 1e3)
+        r.append(_wall(ref, args, batch[1]) / batch[1] * 1e3)
     return f, r, [a / b for a, b in zip(f, r)]
 
 
@@ -177,8 +180,7 @@ def bench(shapes, device_name: str, dtype: str, iters: int) -> int:
         hh, ww, tt = _inputs(n, h, v, jnp.dtype(dtype), device=dev)
         progress(3 * i, steps, f"{name}: gemm")
         gemm = jax.jit(lambda a, b: jnp.dot(a, b.T, preferred_element_type=jnp.float32))
-        jax.block_until_ready(gemm(hh, ww))
-        gemm_ms = [sample_ms(gemm, hh, ww) for _ in range(iters)]
+        gemm_ms = time_pair(gemm, gemm, (hh, ww), 1 + iters // 2)[0]
         for j, (label, wrap) in enumerate((("fwd", jax.jit), ("fwd+bwd", None))):
             progress(3 * i + 1 + j, steps, f"{name}: {label}")
             if wrap:
