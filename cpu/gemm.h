@@ -43,23 +43,19 @@ inline void gemm_micro(int64_t kc, const float* a, int64_t ak, int64_t ai, const
 }
 
 // Rows [0, rows) of `src` (dtype t, row length h, starting at element `offset`) -> fp32 k-major
-// dst[k * ld + j]; rows [rows, ld) are zero (ld a multiple of kLanes). Sixteen rows at a time: the
-// reads walk sixteen rows along k, the writes are whole vectors.
+// dst[k * ld + j]; rows [rows, ld) are zero. Blocked over k so the rows written stay in L1.
 inline void pack_transposed(DType t, const void* src, int64_t offset, int64_t rows, int64_t h, int64_t ld,
                             float* dst) {
-  auto pack = [&](auto elem) {
-    for (int64_t j0 = 0; j0 < ld; j0 += kLanes) {
-      const int64_t live = std::clamp<int64_t>(rows - j0, 0, kLanes);
-      for (int64_t k = 0; k < h; ++k) {
-        float col[kLanes] = {};
-        for (int64_t j = 0; j < live; ++j) col[j] = elem(offset + (j0 + j) * h + k);
-        store16(dst + k * ld + j0, load16(col));
-      }
+  constexpr int64_t kSlice = 64;
+  float row[kSlice];
+  for (int64_t k0 = 0; k0 < h; k0 += kSlice) {
+    const int64_t kn = std::min(kSlice, h - k0);
+    for (int64_t j = 0; j < rows; ++j) {
+      to_f32(t, src, offset + j * h + k0, kn, row);
+      for (int64_t k = 0; k < kn; ++k) dst[(k0 + k) * ld + j] = row[k];
     }
-  };
-  if (t == DType::kF32) pack([&](int64_t i) { return static_cast<const float*>(src)[i]; });
-  else if (t == DType::kBF16) pack([&](int64_t i) { return bf16_to_f32(static_cast<const uint16_t*>(src)[i]); });
-  else pack([&](int64_t i) { return f16_to_f32(static_cast<const uint16_t*>(src)[i]); });
+    for (int64_t k = k0; k < k0 + kn; ++k) std::fill(dst + k * ld + rows, dst + (k + 1) * ld, 0.f);
+  }
 }
 
 }  // namespace rlk::cpu
