@@ -1,12 +1,10 @@
 // CPU backend of the plain API: tiled, streaming log-sum-exp, fp32 throughout, no [n, v] buffer.
 //
 // Layout of the work. Hidden is packed once per call into fp32 panels of kPanel rows, k-major
-// (`Ap[k][r]`), so the logits micro-kernel (gemm.h) broadcasts weight values and multiplies whole
-// vectors of rows. Weight tiles of kTileV vocab rows are converted to fp32 k-major (`Wp[k][j]`)
-// for the logits and in their natural layout (`Wf[j][k]`) for dH. A logits tile is `T[j][r]`
-// (vocab-major): every epilogue then works on vectors of rows, one lane per row, so a row's bits
-// never depend on the other rows in the call. A row block is large (kBlock rows) so that each
-// converted weight tile serves many rows.
+// (`Ap[k][r]`), so the logits micro-kernel broadcasts one weight value and multiplies a whole
+// vector of rows. Weight tiles of kTileV vocab rows are converted to fp32 in their natural layout
+// (`Wf[j][k]`). A logits tile is `T[j][r]` (vocab-major): every epilogue then works on vectors of
+// rows, one lane per row, so a row's bits never depend on the other rows in the call.
 //
 // Order of every reduction is fixed by shapes alone:
 //   forward   unit = (row block, chunk); tiles of the chunk from its first column, in order.
@@ -19,7 +17,6 @@
 #include <cmath>
 #include <vector>
 
-#include "gemm.h"
 #include "parallel.h"
 #include "rlk/linear_logp.h"
 #include "simd.h"
@@ -28,18 +25,16 @@ namespace rlk::cpu {
 namespace {
 
 constexpr int64_t kPanel = 32;           // rows per packed hidden panel (two vectors)
-constexpr int64_t kPanels = 8;           // panels per row block
-constexpr int64_t kBlock = kPanels * kPanel;  // rows per work unit
-constexpr int64_t kTileV = 96;           // vocab rows per weight tile
-constexpr int64_t kGroupV = 12;          // vocab rows per logits micro-kernel call
-constexpr int64_t kSliceK = 256;         // reduction slice of the logits: a panel's slice stays in L1
+constexpr int64_t kBlock = 2 * kPanel;   // rows per work unit
+constexpr int64_t kTileV = 64;           // vocab rows per weight tile
+constexpr int64_t kGroupV = 8;           // vocab rows per logits micro-kernel call
 constexpr int kRowVecs = kBlock / kLanes;
 
 inline int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-// Hidden [n, h] -> panels Ap[panel][k][kPanel] in fp32, kPanels per row block; rows past n are zero.
+// Hidden [n, h] -> panels Ap[panel][k][kPanel] in fp32, two per row block; rows past n are zero.
 std::vector<float> pack_hidden(const Problem& p, const void* hidden) {
-  const int64_t panels = kPanels * cdiv(p.n, kBlock);
+  const int64_t panels = 2 * cdiv(p.n, kBlock);
   std::vector<float> ap(size_t(panels * kPanel * p.h), 0.f);
   parallel_for(panels, workers_for(panels), [&](int, int64_t q) {
     std::vector<float> row(size_t(p.h));
@@ -59,28 +54,29 @@ void load_weight_tile(const Problem& p, const void* weight, int64_t v0, int64_t 
   std::fill(wf + rows * p.h, wf + kTileV * p.h, 0.f);
 }
 
-// Weight rows [v0, v0 + kTileV) -> wp[h][kTileV] fp32 (k-major); rows at or past `v_end` are zero.
-void pack_weight_tile(const Problem& p, const void* weight, int64_t v0, int64_t v_end, float* wp) {
-  const int64_t rows = std::max<int64_t>(0, std::min(kTileV, v_end - v0));
-  pack_transposed(p.dtype, weight, v0 * p.h, rows, p.h, kTileV, wp);
+// T[j][r] = sum_k wf[j][k] ap[k][r] for j < kGroupV, r < kPanel. One accumulator chain per
+// element, k in order: every logit of the library is computed by this function.
+inline void logits_micro(const float* wf, const float* ap, int64_t h, float* t, int64_t ldt) {
+  f32x16 acc[kGroupV][2] = {};
+  for (int64_t k = 0; k < h; ++k) {
+    const f32x16 b0 = load16(ap + k * kPanel), b1 = load16(ap + k * kPanel + kLanes);
+    for (int64_t j = 0; j < kGroupV; ++j) {
+      const float w = wf[j * h + k];
+      acc[j][0] += w * b0;
+      acc[j][1] += w * b1;
+    }
+  }
+  for (int64_t j = 0; j < kGroupV; ++j) {
+    store16(t + j * ldt, acc[j][0]);
+    store16(t + j * ldt + kLanes, acc[j][1]);
+  }
 }
 
-// Panels of row block `blk` that hold rows below n (the rest are padding and are not computed).
-int64_t live_panels(const Problem& p, int64_t blk) { return std::min(kPanels, cdiv(p.n - blk * kBlock, kPanel)); }
-
-// Logits tile T[kTileV][kBlock] = Wp^T Ap for row block `blk`: T[j][r] = sum_k wp[k][j] ap[k][r],
-// one FMA chain per element with k in order. Every logit of the library is computed this way (the
-// target logit too, in target_logits). Columns of padding panels are zero.
-void logits_tile(const Problem& p, const float* wp, const float* ap, int64_t blk, float* t) {
-  const int64_t live = live_panels(p, blk);
-  for (int64_t pq = 0; pq < live; ++pq) {
-    const float* apq = ap + (kPanels * blk + pq) * kPanel * p.h;
-    for (int64_t k0 = 0; k0 < p.h; k0 += kSliceK)
-      for (int64_t j = 0; j < kTileV; j += kGroupV)
-        gemm_micro<kGroupV, kPanel / kLanes>(std::min(kSliceK, p.h - k0), wp + k0 * kTileV + j, kTileV, 1,
-                                             apq + k0 * kPanel, kPanel, t + j * kBlock + pq * kPanel, kBlock, k0 > 0);
-  }
-  for (int64_t j = 0; j < kTileV; ++j) std::fill(t + j * kBlock + live * kPanel, t + (j + 1) * kBlock, 0.f);
+// Logits tile T[kTileV][kBlock] for the row block starting at panel q0 (two panels).
+void logits_tile(const float* wf, const float* ap, int64_t q0, int64_t h, float* t) {
+  for (int64_t pq = 0; pq < 2; ++pq)
+    for (int64_t j = 0; j < kTileV; j += kGroupV)
+      logits_micro(wf + j * h, ap + (q0 + pq) * kPanel * h, h, t + j * kBlock + pq * kPanel, kBlock);
 }
 
 // Per-row data of one row block, as vectors of rows.
@@ -131,7 +127,7 @@ void load_kept(const Problem& p, const void* kept, int64_t r0, int64_t v0, int64
 // ---- forward ---------------------------------------------------------------------------------
 
 struct FwdScratch {
-  std::vector<float> wp, t;
+  std::vector<float> wf, t;
 };
 
 void forward_unit(const Problem& p, const FwdArgs& a, const float* ap, int64_t blk, int64_t c,
@@ -154,8 +150,8 @@ void forward_unit(const Problem& p, const FwdArgs& a, const float* ap, int64_t b
   const int64_t real_end = std::clamp<int64_t>(p.real_vocab - p.vocab_start, 0, p.v);
   for (int64_t v0 = c0; v0 < std::min(c1, real_end); v0 += kTileV) {
     const int64_t valid = std::min({kTileV, c1 - v0, real_end - v0});
-    pack_weight_tile(p, a.weight, v0, v0 + valid, s.wp.data());
-    logits_tile(p, s.wp.data(), ap, blk, s.t.data());
+    load_weight_tile(p, a.weight, v0, v0 + valid, s.wf.data());
+    logits_tile(s.wf.data(), ap, 2 * blk, p.h, s.t.data());
     scale_tile(s.t.data(), p.has_bias ? a.bias + v0 : nullptr, valid, inv_temp);
     if (a.logits)
       store_kept(p, a.logits, r0, v0, valid, [&](int64_t j, int64_t r) { return s.t[j * kBlock + r]; });
@@ -257,45 +253,24 @@ void dlogit_tile(float* t, int64_t gid0, int64_t valid, const RowBlock& rb, f32x
 }
 
 // The z tile of row block `blk` and columns [v0, v0 + valid): from the kept logits (fast) or
-// recomputed (lean; needs the packed weight tile in wp).
+// recomputed (lean; needs the weight tile in wf).
 void z_tile(const Problem& p, const BwdArgs& a, const float* ap, int64_t blk, int64_t v0, int64_t valid,
-            const RowBlock& rb, const float* wp, float* t) {
+            const RowBlock& rb, const float* wf, float* t) {
   if (a.logits) {
     load_kept(p, a.logits, blk * kBlock, v0, valid, t);
     return;
   }
-  logits_tile(p, wp, ap, blk, t);
+  logits_tile(wf, ap, 2 * blk, p.h, t);
   scale_tile(t, p.has_bias ? a.bias + v0 : nullptr, valid, rb.inv_temp);
 }
 
 struct BwdScratch {
-  std::vector<float> wf, wp, t, dh;  // pass 1 (wp: lean only)
+  std::vector<float> wf, t, dh;  // pass 1
   std::vector<float> dwt, dt, row;  // pass 2: dW^T [h][kTileV], dlogit^T [kBlock][kTileV], a dW row [h]
 };
 
-// dh[r][k] += sum_{j < valid} dlogit[j][r] wf[j][k] for r < rows (a multiple of 8): one FMA chain
-// per element, j in order. Columns of k outermost, so wf's columns stay in L1 across the rows.
-void dhidden_tile(const Problem& p, const float* t, const float* wf, int64_t valid, int64_t rows, float* dh) {
-  constexpr int64_t kRows = 8, kCols = 3 * kLanes;
-  const int64_t h = p.h;
-  int64_t k = 0;
-  for (; k + kCols <= h; k += kCols)
-    for (int64_t r = 0; r < rows; r += kRows)
-      gemm_micro<kRows, 3>(valid, t + r, kBlock, 1, wf + k, h, dh + r * h + k, h, true);
-  for (; k + kLanes <= h; k += kLanes)
-    for (int64_t r = 0; r < rows; r += kRows)
-      gemm_micro<kRows, 1>(valid, t + r, kBlock, 1, wf + k, h, dh + r * h + k, h, true);
-  for (; k < h; ++k)  // h tail, same order per element
-    for (int64_t r = 0; r < rows; ++r) {
-      float acc = dh[r * h + k];
-      for (int64_t j = 0; j < valid; ++j) acc += t[j * kBlock + r] * wf[j * h + k];
-      dh[r * h + k] = acc;
-    }
-}
-
 // Pass 1: dH and dT of one row block, over the whole local vocab in order.
 void dhidden_unit(const Problem& p, const BwdArgs& a, const float* ap, int64_t blk, BwdScratch& s) {
-  const int64_t rows = std::min(kBlock, cdiv(p.n - blk * kBlock, 8) * 8);
   RowBlock rb;
   load_row_block(p, a, blk, rb);
   f32x16 dzz[kRowVecs] = {};
@@ -305,10 +280,35 @@ void dhidden_unit(const Problem& p, const BwdArgs& a, const float* ap, int64_t b
     for (int64_t v0 = c0; v0 < std::min(c0 + p.chunk, real_end); v0 += kTileV) {
       const int64_t valid = std::min({kTileV, c0 + p.chunk - v0, real_end - v0});
       load_weight_tile(p, a.weight, v0, v0 + valid, s.wf.data());
-      if (!a.logits) pack_weight_tile(p, a.weight, v0, v0 + valid, s.wp.data());
-      z_tile(p, a, ap, blk, v0, valid, rb, s.wp.data(), s.t.data());
+      z_tile(p, a, ap, blk, v0, valid, rb, s.wf.data(), s.t.data());
       dlogit_tile(s.t.data(), p.vocab_start + v0, valid, rb, dzz);
-      dhidden_tile(p, s.t.data(), s.wf.data(), valid, rows, s.dh.data());
+      // dh[r][k] += sum_j dlogit[j][r] wf[j][k]: eight rows by two vectors of k per step.
+      for (int64_t r = 0; r < kBlock; r += 8)
+        for (int64_t k = 0; k + 2 * kLanes <= p.h; k += 2 * kLanes) {
+          f32x16 acc[8][2];
+          for (int i = 0; i < 8; ++i) {
+            acc[i][0] = load16(&s.dh[(r + i) * p.h + k]);
+            acc[i][1] = load16(&s.dh[(r + i) * p.h + k + kLanes]);
+          }
+          for (int64_t j = 0; j < valid; ++j) {
+            const f32x16 w0 = load16(&s.wf[j * p.h + k]), w1 = load16(&s.wf[j * p.h + k + kLanes]);
+            const float* d = s.t.data() + j * kBlock + r;
+            for (int i = 0; i < 8; ++i) {
+              acc[i][0] += d[i] * w0;
+              acc[i][1] += d[i] * w1;
+            }
+          }
+          for (int i = 0; i < 8; ++i) {
+            store16(&s.dh[(r + i) * p.h + k], acc[i][0]);
+            store16(&s.dh[(r + i) * p.h + k + kLanes], acc[i][1]);
+          }
+        }
+      for (int64_t k = p.h - p.h % (2 * kLanes); k < p.h; ++k)  // h tail, same order per element
+        for (int64_t r = 0; r < kBlock; ++r) {
+          float acc = s.dh[r * p.h + k];
+          for (int64_t j = 0; j < valid; ++j) acc += s.t[j * kBlock + r] * s.wf[j * p.h + k];
+          s.dh[r * p.h + k] = acc;
+        }
     }
   for (int64_t i = 0; i < kBlock; ++i) {
     const int64_t r = blk * kBlock + i;
@@ -327,27 +327,38 @@ void dweight_unit(const Problem& p, const BwdArgs& a, const float* ap, int64_t t
   std::fill(s.dwt.begin(), s.dwt.end(), 0.f);  // dwt[k][j]
   float db[kTileV] = {};
   if (valid > 0) {
-    if (!a.logits) pack_weight_tile(p, a.weight, v0, v0 + valid, s.wp.data());
+    if (!a.logits) load_weight_tile(p, a.weight, v0, v0 + valid, s.wf.data());
     RowBlock rb;
     std::vector<float>& dt = s.dt;  // dlogit transposed: dt[r][j]
     for (int64_t blk = 0; blk < cdiv(p.n, kBlock); ++blk) {
       load_row_block(p, a, blk, rb);
-      z_tile(p, a, ap, blk, v0, valid, rb, s.wp.data(), s.t.data());
+      z_tile(p, a, ap, blk, v0, valid, rb, s.wf.data(), s.t.data());
       dlogit_tile(s.t.data(), p.vocab_start + v0, valid, rb, nullptr);
       for (int64_t j = 0; j < kTileV; ++j)
         for (int64_t r = 0; r < kBlock; ++r) {
           dt[r * kTileV + j] = s.t[j * kBlock + r];
           db[j] += s.t[j * kBlock + r];
         }
-      // dwt[k][j] += sum_r ap[k][r] dt[r][j]: one FMA chain per element, rows in order.
-      for (int64_t pq = 0; pq < live_panels(p, blk); ++pq) {
-        const float* apq = ap + (kPanels * blk + pq) * kPanel * p.h;
+      // dwt[k][j] += sum_r ap[k][r] dt[r][j]: four k by four vectors of j per step.
+      for (int64_t pq = 0; pq < 2; ++pq) {
+        const float* apq = ap + (2 * blk + pq) * kPanel * p.h;
         const float* dtq = dt.data() + pq * kPanel * kTileV;
-        int64_t k = 0;
-        for (; k + 4 <= p.h; k += 4)
-          gemm_micro<4, kTileV / kLanes>(kPanel, apq + k * kPanel, 1, kPanel, dtq, kTileV, &s.dwt[k * kTileV], kTileV, true);
-        for (; k < p.h; ++k)
-          gemm_micro<1, kTileV / kLanes>(kPanel, apq + k * kPanel, 1, kPanel, dtq, kTileV, &s.dwt[k * kTileV], kTileV, true);
+        for (int64_t k = 0; k < p.h; k += 4) {
+          const int kk = int(std::min<int64_t>(4, p.h - k));
+          f32x16 acc[4][4];
+          for (int i = 0; i < kk; ++i)
+            for (int jv = 0; jv < 4; ++jv) acc[i][jv] = load16(&s.dwt[(k + i) * kTileV + jv * kLanes]);
+          for (int64_t r = 0; r < kPanel; ++r) {
+            f32x16 d[4];
+            for (int jv = 0; jv < 4; ++jv) d[jv] = load16(dtq + r * kTileV + jv * kLanes);
+            for (int i = 0; i < kk; ++i) {
+              const float hv = apq[(k + i) * kPanel + r];
+              for (int jv = 0; jv < 4; ++jv) acc[i][jv] += hv * d[jv];
+            }
+          }
+          for (int i = 0; i < kk; ++i)
+            for (int jv = 0; jv < 4; ++jv) store16(&s.dwt[(k + i) * kTileV + jv * kLanes], acc[i][jv]);
+        }
       }
     }
   }
@@ -369,7 +380,7 @@ Status forward(const Problem& p, const FwdArgs& a) {
   const int workers = workers_for(units);
   std::vector<FwdScratch> scratch(static_cast<size_t>(workers));
   for (auto& s : scratch) {
-    s.wp.resize(size_t(kTileV * p.h));
+    s.wf.resize(size_t(kTileV * p.h));
     s.t.resize(size_t(kTileV * kBlock));
   }
   parallel_for(units, workers, [&](int w, int64_t u) { forward_unit(p, a, ap.data(), u / k, u % k, scratch[w]); });
@@ -404,10 +415,9 @@ Status backward(const Problem& p, const BwdArgs& a) {
   auto make = [&](int workers, bool pass1) {
     std::vector<BwdScratch> sc(static_cast<size_t>(workers));
     for (auto& s : sc) {
-      s.wp.resize(size_t(kTileV * p.h));
+      s.wf.resize(size_t(kTileV * p.h));
       s.t.resize(size_t(kTileV * kBlock));
       if (pass1) {
-        s.wf.resize(size_t(kTileV * p.h));
         s.dh.resize(size_t(kBlock * p.h));
       } else {
         s.dwt.resize(size_t(p.h * kTileV));
