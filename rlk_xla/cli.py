@@ -27,8 +27,19 @@ def progress(i: int, total: int, label: str) -> None:
     sys.stderr.flush()
 
 
-def _device(name: str):
+def device(name: str):
+    """The first JAX device of a platform name ("default": JAX's default); RuntimeError if there is none."""
     return jax.devices()[0] if name == "default" else jax.devices(name)[0]
+
+
+def parse_shape(text: str) -> tuple[str, tuple[int, int, int]]:
+    """A named shape or "N,H,V" (positive integers) -> (name, (n, h, v)); ValueError otherwise."""
+    if text in SHAPES:
+        return text, SHAPES[text]
+    parts = text.split(",")
+    if len(parts) != 3 or not all(x.strip().isdigit() and int(x) > 0 for x in parts):
+        raise ValueError(f"{text!r} is neither a named shape ({', '.join(SHAPES)}) nor N,H,V of positive integers")
+    return text, tuple(int(x) for x in parts)
 
 
 def _inputs(n, h, v, dtype, seed=0, device=None):
@@ -61,7 +72,7 @@ def _grad_err(h, w, t, mode, backward, ref_grads) -> float:
 
 def check(device_name: str = "default") -> int:
     """Each route against float64 on a few odd shapes, plus determinism and batch invariance."""
-    dev = _device(device_name)
+    dev = device(device_name)
     print(f"rlk_xla check: jax {jax.__version__}, device {dev.device_kind} ({dev.platform}); compiled: "
           f"xla_ffi={core.has_xla_ffi} cuda={core.has_cuda}; FFI targets for {', '.join(registered_platforms())}")
     rows, ok = [], True
@@ -105,63 +116,89 @@ def check(device_name: str = "default") -> int:
     return 0 if ok else 1
 
 
-def time_ms(fn, *args, iters: int = 10, batch: int = 1) -> float:
-    """Median time (ms) per call of a JAX callable, after one warm-up call. Each of `iters` samples
-    issues `batch` calls back to back and waits once, then `2 * batch` calls and waits once: their
-    difference per extra call cancels what a sample pays once (the first call's dispatch, the final
-    sync), as CUDA events do for do_bench on the torch side. (One call per sample, as before, counted
-    that latency in every call of 10 ms or more.)"""
+def _wall(fn, args, calls: int) -> float:
+    t0 = time.perf_counter()
+    for _ in range(calls - 1):
+        fn(*args)
     jax.block_until_ready(fn(*args))
+    return time.perf_counter() - t0
 
-    def wall(calls: int) -> float:
-        t0 = time.perf_counter()
-        for _ in range(calls - 1):
-            fn(*args)
-        jax.block_until_ready(fn(*args))
-        return time.perf_counter() - t0
 
-    ts = [(wall(2 * batch) - wall(batch)) / batch for _ in range(iters)]
-    return float(np.median(ts)) * 1e3
+def sample_ms(fn, *args, batch: int = 1) -> float:
+    """One timing sample (ms per call) of a JAX callable: `batch` calls back to back then one wait,
+    then `2 * batch` calls and one wait; their difference per extra call cancels what a sample pays
+    once (the first call's dispatch, the final sync), as CUDA events do for do_bench on the torch side."""
+    return (_wall(fn, args, 2 * batch) - _wall(fn, args, batch)) / batch * 1e3
+
+
+def time_ms(fn, *args, iters: int = 10, batch: int = 1) -> float:
+    """Median of `iters` samples (sample_ms) after one warm-up call."""
+    jax.block_until_ready(fn(*args))
+    return float(np.median([sample_ms(fn, *args, batch=batch) for _ in range(iters)]))
+
+
+def time_pair(fused, ref, args, iters: int, warmup: int = 2, min_sample_s: float = 0.05):
+    """Samples of two callables taken alternately (fused, reference, fused, ...), so that a change in
+    the machine's load (shared CPUs) hits both alike. A sample times enough calls back to back (then
+    one wait) to last about `min_sample_s`, so the wait's latency is a small part of it. -> (fused ms,
+    reference ms, fused / reference per pair), each a list of `iters`."""
+    batch = []
+    for fn in (fused, ref):
+        for _ in range(warmup):
+            jax.block_until_ready(fn(*args))
+        batch.append(max(1, int(np.ceil(min_sample_s / _wall(fn, args, 1)))))
+    f, r = [], []
+    for _ in range(iters):
+        f.append(_wall(fused, args, batch[0]) / batch[0] * 1e3)
+        r.append(_wall(ref, args, batch[1]) / batch[1] * 1e3)
+    return f, r, [a / b for a, b in zip(f, r)]
+
+
+def _spread(xs) -> str:
+    """median, then min-max and the spread (max - min) / median in percent."""
+    med = float(np.median(xs))
+    return f"{med:.2f} ({min(xs):.2f}-{max(xs):.2f}, {100 * (max(xs) - min(xs)) / med:.0f}%)"
 
 
 def _temp_mb(fn, *args) -> float:
     return fn.lower(*args).compile().memory_analysis().temp_size_in_bytes / 2 ** 20
 
 
+RATIO_NOTE = ("fused/ref = fused ms / reference ms of samples taken back to back (alternating), median over "
+              "the pairs (min-max); lower is better, < 1 means the fused op is faster. Times: median (min-max, "
+              "spread = (max - min) / median). reference = rlk_xla.reference.linear_logp (plain XLA) under jit.")
+
+
 def bench(shapes, device_name: str, dtype: str, iters: int) -> int:
-    """Fused vs reference: forward and forward+backward time (median ms) and XLA temp memory."""
-    dev = _device(device_name)
-    print(f"rlk_xla bench: jax {jax.__version__}, {dev.device_kind} ({dev.platform}), {dtype}, median of {iters}")
-    parsed = []
-    for s in shapes:
-        parsed.append((s, SHAPES[s]) if s in SHAPES else (s, tuple(int(x) for x in s.split(","))))
-    rows, steps = [], len(parsed) * 5
-    step = 0
-    for name, (n, h, v) in parsed:
+    """Fused vs reference: forward and forward+backward time and XLA temp memory; the bare GEMM for scale."""
+    dev = device(device_name)
+    print(f"rlk_xla bench: jax {jax.__version__}, {dev.device_kind} ({dev.platform}), {dtype}, "
+          f"{iters} samples each after 2 warm-up calls")
+    parsed = [parse_shape(s) for s in shapes]
+    rows, steps = [], len(parsed) * 3
+    for i, (name, (n, h, v)) in enumerate(parsed):
         hh, ww, tt = _inputs(n, h, v, jnp.dtype(dtype), device=dev)
-        res = {}
-        progress(step, steps, f"{name}: gemm")
-        res["gemm"] = time_ms(jax.jit(lambda a, b: a @ b.T), hh, ww, iters=iters)
-        step += 1
-        for label, fn in (("fused", linear_logp), ("reference", reference.linear_logp)):
-            fwd = jax.jit(lambda a, b, fn=fn: fn(a, b, tt))
-            fb = jax.jit(jax.grad(lambda a, b, fn=fn: jnp.sum(fn(a, b, tt)), argnums=(0, 1)))
-            progress(step, steps, f"{name}: {label} fwd")
-            res[label, "fwd"] = time_ms(fwd, hh, ww, iters=iters)
-            step += 1
-            progress(step, steps, f"{name}: {label} fwd+bwd")
-            res[label, "fb"] = time_ms(fb, hh, ww, iters=iters)
-            res[label, "mem"] = _temp_mb(fb, hh, ww)
-            step += 1
-        rows.append((name, f"{n}x{h}x{v}", f"{res['gemm']:.2f}",
-                     f"{res['fused', 'fwd']:.2f}", f"{res['reference', 'fwd']:.2f}",
-                     f"{res['fused', 'fwd'] / res['reference', 'fwd']:.2f}",
-                     f"{res['fused', 'fb']:.2f}", f"{res['reference', 'fb']:.2f}",
-                     f"{res['fused', 'fb'] / res['reference', 'fb']:.2f}",
-                     f"{res['fused', 'mem']:.1f}", f"{res['reference', 'mem']:.1f}"))
+        progress(3 * i, steps, f"{name}: gemm")
+        gemm = jax.jit(lambda a, b: jnp.dot(a, b.T, preferred_element_type=jnp.float32))
+        gemm_ms = time_pair(gemm, gemm, (hh, ww), 1 + iters // 2)[0]
+        for j, (label, wrap) in enumerate((("fwd", jax.jit), ("fwd+bwd", None))):
+            progress(3 * i + 1 + j, steps, f"{name}: {label}")
+            if wrap:
+                fused, ref = (jax.jit(lambda a, b, fn=fn: fn(a, b, tt)) for fn in (linear_logp, reference.linear_logp))
+            else:
+                fused, ref = (jax.jit(jax.grad(lambda a, b, fn=fn: jnp.sum(fn(a, b, tt)), argnums=(0, 1)))
+                              for fn in (linear_logp, reference.linear_logp))
+            f, r, ratio = time_pair(fused, ref, (hh, ww), iters)
+            mem = (f"{_temp_mb(fused, hh, ww):.1f}", f"{_temp_mb(ref, hh, ww):.1f}")
+            rows.append((name, f"{n}x{h}x{v}", label, _spread(gemm_ms) if j == 0 else "", _spread(f), _spread(r),
+                         f"{np.median(ratio):.2f} ({min(ratio):.2f}-{max(ratio):.2f})", *mem))
     progress(steps, steps, "done")
-    _table(("shape", "NxHxV", "GEMM ms", "fused fwd ms", "ref fwd ms", "fwd ratio", "fused f+b ms", "ref f+b ms",
-            "f+b ratio", "fused f+b temp MB", "ref f+b temp MB"), rows)
+    _table(("shape", "NxHxV", "pass", "GEMM ms", "fused ms", "reference ms", "fused/ref (lower is better)",
+            "fused temp MB", "ref temp MB"), rows)
+    print(RATIO_NOTE)
+    print("GEMM = XLA's jnp.dot(hidden, weight.T) of the same shape and dtype with fp32 accumulation "
+          "(preferred_element_type=float32): one forward matmul, no softmax, for scale. "
+          "temp MB = XLA's temp allocation of the jitted call.")
     return 0
 
 
