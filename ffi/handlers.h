@@ -149,10 +149,11 @@ inline ffi::Error check_buffers(const std::vector<int64_t>& batch, std::initiali
 
 // The batch (leading dimensions) of a call: those of `result` beyond its `core_rank` trailing ones.
 template <class Buf>
-ffi::Error batch_of(const Buf& result, size_t core_rank, std::vector<int64_t>* batch) {
+ffi::Error batch_of(const char* name, const Buf& result, size_t core_rank, std::vector<int64_t>* batch) {
   auto d = result.dimensions();
-  if (d.size() < core_rank) return invalid("a result has rank " + std::to_string(d.size()) + ", below its " +
-                                           std::to_string(core_rank) + " core dimensions");
+  if (d.size() < core_rank)
+    return invalid(std::string(name) + " has rank " + std::to_string(d.size()) + ", below its " +
+                   std::to_string(core_rank) + " core dimensions");
   batch->assign(d.begin(), d.end() - core_rank);
   return ffi::Error::Success();
 }
@@ -185,7 +186,7 @@ inline ffi::Error check_forward(ffi::AnyBuffer hidden, ffi::AnyBuffer weight, ff
   Sizes s;
   std::vector<int64_t> batch;
   if (auto e = sizes_of(hidden, weight, &s); e.failure()) return e;
-  if (auto e = batch_of(*stats, 3, &batch); e.failure()) return e;
+  if (auto e = batch_of("stats", *stats, 3, &batch); e.failure()) return e;
   if (chunk <= 0 || s.v % chunk != 0) return invalid("chunk must be > 0 and divide the local vocab");
   using DT = ffi::DataType;
   return check_buffers(batch, {expect("hidden", hidden, s.dtype, {s.n, s.h}),
@@ -202,7 +203,7 @@ inline ffi::Error check_combine(ffi::AnyBuffer stats, ffi::AnyBuffer target_logi
                                 ffi::Result<ffi::AnyBuffer>& logp, ffi::Result<ffi::AnyBuffer>& lse,
                                 ffi::Result<ffi::AnyBuffer>& entropy) {
   std::vector<int64_t> batch;
-  if (auto e = batch_of(*logp, 1, &batch); e.failure()) return e;
+  if (auto e = batch_of("logp", *logp, 1, &batch); e.failure()) return e;
   auto sd = stats.dimensions();
   if (sd.size() < 3) return invalid("stats must be [..., n, k, " + std::to_string(kStatWidth) + "]");
   const int64_t n = sd[sd.size() - 3], k = sd[sd.size() - 2];
@@ -226,7 +227,7 @@ inline ffi::Error check_backward(ffi::AnyBuffer hidden, ffi::AnyBuffer weight, f
   Sizes s;
   std::vector<int64_t> batch;
   if (auto err = sizes_of(hidden, weight, &s); err.failure()) return err;
-  if (auto err = batch_of(*dhidden, 2, &batch); err.failure()) return err;
+  if (auto err = batch_of("dhidden", *dhidden, 2, &batch); err.failure()) return err;
   if (chunk <= 0 || s.v % chunk != 0) return invalid("chunk must be > 0 and divide the local vocab");
   using DT = ffi::DataType;
   const DT dh_want = (*dhidden).element_type() == DT::F32 ? DT::F32 : s.dtype;
