@@ -55,7 +55,7 @@ def linear_logp(hidden, weight, targets, *, bias=None, temperature=1.0, ignore_i
                                    backward_memory_budget) == "fast" and _needs_grad(a)
     eager = not torch.compiler.is_compiling()
     if validate_targets and eager and not _capturing(a.hidden):
-        _validate_targets(targets, a.real_vocab, a.ignore_index)
+        _validate_targets(targets, a.real_vocab, ignore_index)
     n = a.n
     reason = unsupported(a.hidden)
     if n == 0 or mode == "off":
