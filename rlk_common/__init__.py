@@ -41,6 +41,13 @@ def check_shapes(hidden: tuple, weight: tuple, targets: tuple, bias: tuple | Non
         raise ValueError(f"bias must be [V] = ({weight[0]},), got shape {bias}")
 
 
+def check_flag(name: str, value) -> bool:
+    """A bool option (Python or numpy bool), else a TypeError naming it."""
+    if type(value).__name__ not in ("bool", "bool_"):
+        raise TypeError(f"{name} must be True or False, got {value!r}")
+    return bool(value)
+
+
 def check_ignore_index(ignore_index) -> int:
     if not isinstance(ignore_index, numbers.Integral) or isinstance(ignore_index, bool):
         raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")

@@ -48,6 +48,9 @@ class Args:
 
 
 def _shape(x, name):
+    if type(x).__module__.split(".")[0] == "torch":
+        raise TypeError(f"{name} is a torch tensor: rlk_xla takes JAX arrays. Pass torch tensors to "
+                        f"torch_bridge.linear_logp, or convert with jax.dlpack.from_dlpack({name})")
     if not hasattr(x, "shape") or not hasattr(x, "dtype"):
         raise TypeError(f"{name} must be an array, got {type(x).__name__}")
     return tuple(x.shape)
