@@ -3,6 +3,9 @@
 // the kernels through the same code.
 #pragma once
 
+#include <new>
+#include <system_error>
+
 #include "rlk/linear_logp.h"
 #if RLK_HAVE_CUDA
 #include "linear_logp_cuda.h"
@@ -10,15 +13,36 @@
 
 namespace rlk {
 
+// One CPU kernel call, its exceptions (allocation, thread start, a work unit's) as a Status: an
+// exception must not cross the XLA FFI or end the process.
+template <class Call>
+Status cpu_guarded(Call&& call) {
+  try {
+    return call();
+  } catch (const std::bad_alloc&) {
+    return "rlk cpu: out of memory (std::bad_alloc)";
+  } catch (const std::system_error&) {
+    return "rlk cpu: could not start a worker thread (std::system_error); lower RLK_NUM_THREADS or the "
+           "process's thread count";
+  } catch (...) {
+    return "rlk cpu: a kernel raised an unexpected C++ exception";
+  }
+}
+
+// Counted after the kernel ran and succeeded: a call its checks reject is not counted.
 struct CpuExec {
   Status forward(const Problem& p, const FwdArgs& a) {
-    count_call(Backend::kCpu, false, p.n);
-    return cpu::forward(p, a);
+    const Status s = cpu_guarded([&] { return cpu::forward(p, a); });
+    if (!s) count_call(Backend::kCpu, false, p.n);
+    return s;
   }
-  Status combine(const CombineArgs& a) { return cpu::combine(a); }
+  Status combine(const CombineArgs& a) {
+    return cpu_guarded([&] { return cpu::combine(a); });
+  }
   Status backward(const Problem& p, const BwdArgs& a) {
-    count_call(Backend::kCpu, true, p.n, a.logits != nullptr);
-    return cpu::backward(p, a);
+    const Status s = cpu_guarded([&] { return cpu::backward(p, a); });
+    if (!s) count_call(Backend::kCpu, true, p.n, a.logits != nullptr);
+    return s;
   }
 };
 

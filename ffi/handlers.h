@@ -92,6 +92,161 @@ inline ffi::Error from_status(Status s) {
   return s ? ffi::Error(ffi::ErrorCode::kInternal, s) : ffi::Error::Success();
 }
 
+// ---- Buffer checks: every operand and result against the others, before anything is read or
+// written (the targets are in XLA's global registry: any caller may hand them any buffers).
+// A buffer is [lead..., core...]: its trailing dimensions must equal `core` and its leading ones
+// the batch's (inputs may broadcast a leading dimension of 1, results may not).
+constexpr int64_t kAny = -1;  // a core dimension not checked here (checked against another buffer)
+
+inline std::string shape_str(const std::vector<int64_t>& lead, const std::vector<int64_t>& core) {
+  std::string s = "(";
+  for (int64_t d : lead) s += std::to_string(d) + ", ";
+  for (int64_t d : core) s += std::to_string(d) + ", ";
+  if (s.size() > 1) s.resize(s.size() - 2);
+  return s + ")";
+}
+
+inline std::string dtype_str(ffi::DataType t) {
+  switch (t) {
+    case ffi::DataType::F32: return "float32";
+    case ffi::DataType::F16: return "float16";
+    case ffi::DataType::BF16: return "bfloat16";
+    case ffi::DataType::S32: return "int32";
+    case ffi::DataType::S64: return "int64";
+    default: return "XLA DataType " + std::to_string(int(t));
+  }
+}
+
+struct Expect {
+  const char* name;
+  ffi::DataType got;
+  ffi::DataType want;
+  std::vector<int64_t> dims;  // actual dimensions of the buffer
+  std::vector<int64_t> core;  // expected trailing dimensions (kAny: any)
+  bool result;                // a result: its leading dimensions must be the batch's exactly
+};
+
+template <class Buf>
+Expect expect(const char* name, const Buf& b, ffi::DataType want, std::vector<int64_t> core, bool result = false) {
+  auto d = b.dimensions();
+  return {name, b.element_type(), want, std::vector<int64_t>(d.begin(), d.end()), std::move(core), result};
+}
+
+inline ffi::Error check_buffers(const std::vector<int64_t>& batch, std::initializer_list<Expect> all) {
+  for (const Expect& x : all) {
+    const size_t rank = batch.size() + x.core.size();
+    bool ok = x.got == x.want && x.dims.size() == rank;
+    for (size_t i = 0; ok && i < rank; ++i) {
+      const int64_t want = i < batch.size() ? batch[i] : x.core[i - batch.size()];
+      ok = want == kAny || x.dims[i] == want || (i < batch.size() && !x.result && x.dims[i] == 1);
+    }
+    if (!ok)
+      return invalid(std::string(x.name) + " must be " + shape_str(batch, x.core) + " " + dtype_str(x.want) +
+                     " (-1: any size), got " + shape_str({}, x.dims) + " " + dtype_str(x.got));
+  }
+  return ffi::Error::Success();
+}
+
+// The batch (leading dimensions) of a call: those of `result` beyond its `core_rank` trailing ones.
+template <class Buf>
+ffi::Error batch_of(const char* name, const Buf& result, size_t core_rank, std::vector<int64_t>* batch) {
+  auto d = result.dimensions();
+  if (d.size() < core_rank)
+    return invalid(std::string(name) + " has rank " + std::to_string(d.size()) + ", below its " +
+                   std::to_string(core_rank) + " core dimensions");
+  batch->assign(d.begin(), d.end() - core_rank);
+  return ffi::Error::Success();
+}
+
+// The operands forward and backward share, from hidden's and weight's shapes: [n, h] and [v, h].
+struct Sizes {
+  int64_t n, h, v;
+  ffi::DataType dtype;
+};
+
+template <class Buf>
+ffi::Error sizes_of(const Buf& hidden, const Buf& weight, Sizes* s) {
+  auto hd = hidden.dimensions(), wd = weight.dimensions();
+  if (hd.size() < 2 || wd.size() < 2) return invalid("hidden must be [..., n, h] and weight [..., v, h]");
+  DType t;
+  if (!to_dtype(hidden.element_type(), &t)) return invalid("hidden must be float32, float16 or bfloat16");
+  *s = {hd[hd.size() - 2], hd[hd.size() - 1], wd[wd.size() - 2], hidden.element_type()};
+  return ffi::Error::Success();
+}
+
+inline std::vector<int64_t> vec_or_empty(bool present, int64_t d) {
+  return present ? std::vector<int64_t>{d} : std::vector<int64_t>{0};
+}
+
+// forward's operands and results: stats [n, v / chunk, kStatWidth] f32, target_logit [n] f32.
+// (The kept logits, when present, are checked by forward itself.)
+inline ffi::Error check_forward(ffi::AnyBuffer hidden, ffi::AnyBuffer weight, ffi::AnyBuffer bias, ffi::AnyBuffer targets,
+                                ffi::AnyBuffer temperature, ffi::Result<ffi::AnyBuffer>& stats,
+                                ffi::Result<ffi::AnyBuffer>& target_logit, int64_t chunk, int64_t has_bias) {
+  Sizes s;
+  std::vector<int64_t> batch;
+  if (auto e = sizes_of(hidden, weight, &s); e.failure()) return e;
+  if (auto e = batch_of("stats", *stats, 3, &batch); e.failure()) return e;
+  if (chunk <= 0 || s.v % chunk != 0) return invalid("chunk must be > 0 and divide the local vocab");
+  using DT = ffi::DataType;
+  return check_buffers(batch, {expect("hidden", hidden, s.dtype, {s.n, s.h}),
+                               expect("weight", weight, s.dtype, {s.v, s.h}),
+                               has_bias ? expect("bias", bias, DT::F32, {s.v}) : expect("bias", bias, bias.element_type(), {kAny}),
+                               expect("targets", targets, DT::S32, {s.n}),
+                               expect("temperature", temperature, DT::F32, {s.n}),
+                               expect("stats", *stats, DT::F32, {s.n, s.v / chunk, kStatWidth}, true),
+                               expect("target_logit", *target_logit, DT::F32, {s.n}, true)});
+}
+
+// combine: stats [n, k, kStatWidth] f32, target_logit [n] f32, targets [n] s32 -> 3 x [n] f32.
+inline ffi::Error check_combine(ffi::AnyBuffer stats, ffi::AnyBuffer target_logit, ffi::AnyBuffer targets,
+                                ffi::Result<ffi::AnyBuffer>& logp, ffi::Result<ffi::AnyBuffer>& lse,
+                                ffi::Result<ffi::AnyBuffer>& entropy) {
+  std::vector<int64_t> batch;
+  if (auto e = batch_of("logp", *logp, 1, &batch); e.failure()) return e;
+  auto sd = stats.dimensions();
+  if (sd.size() < 3) return invalid("stats must be [..., n, k, " + std::to_string(kStatWidth) + "]");
+  const int64_t n = sd[sd.size() - 3], k = sd[sd.size() - 2];
+  using DT = ffi::DataType;
+  return check_buffers(batch, {expect("stats", stats, DT::F32, {n, k, kStatWidth}),
+                               expect("target_logit", target_logit, DT::F32, {n}),
+                               expect("targets", targets, DT::S32, {n}),
+                               expect("logp", *logp, DT::F32, {n}, true), expect("lse", *lse, DT::F32, {n}, true),
+                               expect("entropy", *entropy, DT::F32, {n}, true)});
+}
+
+// backward: lse, g [n] f32; entropy, e [n] f32 with entropy, else anything; results dhidden
+// [n, h] (f32 or the operand dtype), dweight [v, h] operand dtype, dbias [v] f32 with a bias else
+// [0], dtemp [n] f32. (The kept logits, when present, are checked by backward itself.)
+inline ffi::Error check_backward(ffi::AnyBuffer hidden, ffi::AnyBuffer weight, ffi::AnyBuffer bias, ffi::AnyBuffer targets,
+                                 ffi::AnyBuffer temperature, ffi::AnyBuffer lse, ffi::AnyBuffer entropy, ffi::AnyBuffer g,
+                                 ffi::AnyBuffer e, ffi::Result<ffi::AnyBuffer>& dhidden,
+                                 ffi::Result<ffi::AnyBuffer>& dweight, ffi::Result<ffi::AnyBuffer>& dbias,
+                                 ffi::Result<ffi::AnyBuffer>& dtemp, int64_t chunk, int64_t has_bias,
+                                 int64_t with_entropy) {
+  Sizes s;
+  std::vector<int64_t> batch;
+  if (auto err = sizes_of(hidden, weight, &s); err.failure()) return err;
+  if (auto err = batch_of("dhidden", *dhidden, 2, &batch); err.failure()) return err;
+  if (chunk <= 0 || s.v % chunk != 0) return invalid("chunk must be > 0 and divide the local vocab");
+  using DT = ffi::DataType;
+  const DT dh_want = (*dhidden).element_type() == DT::F32 ? DT::F32 : s.dtype;
+  auto optional_row = [&](const char* name, ffi::AnyBuffer b) {
+    return with_entropy ? expect(name, b, DT::F32, {s.n}) : expect(name, b, b.element_type(), {kAny});
+  };
+  return check_buffers(batch, {expect("hidden", hidden, s.dtype, {s.n, s.h}),
+                               expect("weight", weight, s.dtype, {s.v, s.h}),
+                               has_bias ? expect("bias", bias, DT::F32, {s.v}) : expect("bias", bias, bias.element_type(), {kAny}),
+                               expect("targets", targets, DT::S32, {s.n}),
+                               expect("temperature", temperature, DT::F32, {s.n}),
+                               expect("lse", lse, DT::F32, {s.n}), optional_row("entropy", entropy),
+                               expect("g", g, DT::F32, {s.n}), optional_row("e", e),
+                               expect("dhidden", *dhidden, dh_want, {s.n, s.h}, true),
+                               expect("dweight", *dweight, s.dtype, {s.v, s.h}, true),
+                               expect("dbias", *dbias, DT::F32, {has_bias ? s.v : 0}, true),
+                               expect("dtemp", *dtemp, DT::F32, {s.n}, true)});
+}
+
 // The attributes of forward and backward, in binding order.
 #define RLK_PROBLEM_ATTRS                                                                        \
   .Attr<int64_t>("vocab_start").Attr<int64_t>("real_vocab").Attr<int64_t>("chunk")               \
@@ -135,6 +290,9 @@ template <class Exec>
 ffi::Error forward(Exec& ex, ffi::AnyBuffer hidden, ffi::AnyBuffer weight, ffi::AnyBuffer bias,
                    ffi::AnyBuffer targets, ffi::AnyBuffer temperature, ffi::Result<ffi::AnyBuffer> stats,
                    ffi::Result<ffi::AnyBuffer> target_logit, std::optional<View> kept, const Attrs& at) {
+  if (auto e = check_forward(hidden, weight, bias, targets, temperature, stats, target_logit, at.chunk, at.has_bias);
+      e.failure())
+    return e;
   Inputs in{view(hidden, 2), view(weight, 2), view(bias, 1), view(targets, 1), view(temperature, 1)};
   Problem p;
   if (auto e = make_problem(in, hidden.element_type(), weight.element_type(), bias.element_type(), at, &p);
@@ -171,6 +329,7 @@ template <class Exec>
 ffi::Error combine(Exec& ex, ffi::AnyBuffer stats, ffi::AnyBuffer target_logit, ffi::AnyBuffer targets,
                    ffi::Result<ffi::AnyBuffer> logp, ffi::Result<ffi::AnyBuffer> lse,
                    ffi::Result<ffi::AnyBuffer> entropy, int64_t real_vocab, int64_t ignore_index) {
+  if (auto e = check_combine(stats, target_logit, targets, logp, lse, entropy); e.failure()) return e;
   const View st = view(stats, 3), tl = view(target_logit, 1), tg = view(targets, 1);
   const View lp = view(*logp, 1), ls = view(*lse, 1), en = view(*entropy, 1);
   const Batch batch(lp.lead);
@@ -203,6 +362,10 @@ ffi::Error backward(Exec& ex, ffi::AnyBuffer hidden, ffi::AnyBuffer weight, ffi:
                     ffi::AnyBuffer g, ffi::AnyBuffer e, std::optional<View> kept, ffi::Result<ffi::AnyBuffer> dhidden,
                     ffi::Result<ffi::AnyBuffer> dweight, ffi::Result<ffi::AnyBuffer> dbias,
                     ffi::Result<ffi::AnyBuffer> dtemp, const Attrs& at) {
+  if (auto err = check_backward(hidden, weight, bias, targets, temperature, lse, entropy, g, e, dhidden, dweight, dbias,
+                                dtemp, at.chunk, at.has_bias, at.with_entropy);
+      err.failure())
+    return err;
   Inputs in{view(hidden, 2), view(weight, 2), view(bias, 1), view(targets, 1), view(temperature, 1)};
   Problem p;
   if (auto err = make_problem(in, hidden.element_type(), weight.element_type(), bias.element_type(), at, &p);

@@ -6,6 +6,7 @@ kept logits, from its own dtypes).
 """
 from __future__ import annotations
 
+import dataclasses
 import numbers
 import os
 
@@ -42,10 +43,46 @@ def check_shapes(hidden: tuple, weight: tuple, targets: tuple, bias: tuple | Non
         raise ValueError(f"bias must be [V] = ({weight[0]},), got shape {bias}")
 
 
+def check_flag(name: str, value) -> bool:
+    """A bool option (Python or numpy bool), else a TypeError naming it."""
+    if type(value).__name__ not in ("bool", "bool_"):
+        raise TypeError(f"{name} must be True or False, got {value!r}")
+    return bool(value)
+
+
 def check_ignore_index(ignore_index) -> int:
     if not isinstance(ignore_index, numbers.Integral) or isinstance(ignore_index, bool):
         raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
     return int(ignore_index)
+
+
+INT32_MIN, INT32_MAX = -(2 ** 31), 2 ** 31 - 1
+
+
+@dataclasses.dataclass(frozen=True)
+class IdRule:
+    """How ids of an integer dtype holding [lo, hi] reach the kernels, which take int32 ids and an
+    int32 ignore_index: checked on the ids' own dtype first, never wrapped by the cast.
+    A row whose id equals ignore_index (compared in the ids' dtype; no id equals an ignore_index
+    the dtype cannot hold) becomes `ignore`; an id outside [0, INT32_MAX] becomes `invalid`, a
+    negative id the kernels give a NaN row (validate_targets: a ValueError); every other id passes
+    unchanged. `remap` False: a plain cast to int32 already does exactly that."""
+    ignore_index: int   # the caller's
+    ignore: int
+    invalid: int
+    match_ignore: bool  # some id of the dtype can equal ignore_index
+    check_low: bool     # the dtype holds negative ids
+    check_high: bool    # the dtype holds ids above INT32_MAX
+    remap: bool
+
+
+def id_rule(lo: int, hi: int, ignore_index: int) -> IdRule:
+    """The IdRule of ids in [lo, hi] (the dtype's range) with this ignore_index (any int)."""
+    fits = INT32_MIN <= ignore_index <= INT32_MAX
+    ignore = ignore_index if fits else -1
+    invalid = -1 if ignore != -1 else -2
+    return IdRule(ignore_index=ignore_index, ignore=ignore, invalid=invalid, match_ignore=lo <= ignore_index <= hi, check_low=lo < 0,
+                  check_high=hi > INT32_MAX, remap=hi > INT32_MAX or lo < INT32_MIN or not fits)
 
 
 def scalar_temperature(temperature) -> float | None:
@@ -59,6 +96,8 @@ def scalar_temperature(temperature) -> float | None:
 
 def real_vocab(real_vocab_size, v_global: int) -> int:
     """The real (unpadded) vocab size: the argument, else the padded global vocab."""
+    if v_global < 1:
+        raise ValueError("weight must be [V, H] with V >= 1 vocab rows, got V = 0")
     real = v_global if real_vocab_size is None else real_vocab_size
     if not isinstance(real, numbers.Integral) or isinstance(real, bool) or not 0 < real <= v_global:
         raise ValueError(f"real_vocab_size must be an int in [1, {v_global}] (the padded vocab), got {real_vocab_size}")

@@ -13,6 +13,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+import rlk_common as common
+
 from . import _kernels as K
 from . import reference, routes
 from ._args import SUPPORTED_DTYPES, Args, parse, resolve_backward
@@ -55,6 +57,7 @@ def linear_logp(hidden, weight, targets, *, bias=None, temperature=1.0, ignore_i
     logits. fast's fp16 logits move the gradient by up to |z| * 2^-11 relative (docs/design.md §5).
     """
     mode = routes.resolve_mode(mode)
+    return_entropy = common.check_flag("return_entropy", return_entropy)
     a = parse(hidden, weight, targets, bias=bias, temperature=temperature, ignore_index=ignore_index,
               vocab_start=vocab_start, real_vocab_size=real_vocab_size, axis_name=axis_name)
     n = a.hidden.shape[0]
@@ -62,12 +65,12 @@ def linear_logp(hidden, weight, targets, *, bias=None, temperature=1.0, ignore_i
     reason = _unsupported(a)
     if n == 0 or mode == "off":
         if n:
-            routes.count_reference(n, None)
+            routes.count_reference(a.targets, None)
         logp, ent = reference.rows(a, return_entropy)
     elif reason is not None:
         if mode == "strict":
             raise RuntimeError(f"rlk_xla.linear_logp(mode='strict'): the fused kernels cannot run this call: {reason}")
-        routes.count_reference(n, reason)
+        routes.count_reference(a.targets, reason)
         logp, ent = reference.rows(a, return_entropy)
     else:
         logp, ent = fused_rows(a, return_entropy, keep_logits=strategy == "fast")
@@ -138,6 +141,18 @@ def _shard_targets(a: Args, v_local: int):
                      jnp.where(valid, v_local, jnp.where(ignored, a.ignore_index, invalid_code))).astype(jnp.int32)
 
 
+@jax.custom_jvp
+def _first_order_only(xs):
+    return xs
+
+
+@_first_order_only.defjvp
+def _first_order_only_jvp(primals, tangents):
+    raise NotImplementedError("rlk_xla.linear_logp has no second derivative (grad of grad, hessian, jvp of "
+                              "grad): its backward is a compiled kernel. Pass mode='off' (the jnp reference) "
+                              "to differentiate it more than once.")
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _fused(st: _Static, hidden, weight, bias, temperature, targets, ktargets, chunk_offset):
     # Not differentiated: no logits to keep, whatever the strategy.
@@ -150,6 +165,7 @@ def _varying(st: _Static, *xs):
 
 
 def _fused_fwd(st: _Static, hidden, weight, bias, temperature, targets, ktargets, chunk_offset):
+    hidden, weight, bias, temperature = _first_order_only((hidden, weight, bias, temperature))
     hk, tk, ktk = _varying(st, hidden, temperature, ktargets)
     stats, target_logit, *kept = K.forward(hk, weight, bias, ktk, tk, st.cfg, keep_logits=st.keep_logits)
     if st.axis_name is not None:
@@ -168,6 +184,7 @@ def _fused_fwd(st: _Static, hidden, weight, bias, temperature, targets, ktargets
 
 
 def _fused_bwd(st: _Static, res, cts):
+    res, cts = _first_order_only((res, cts))
     hidden, weight, bias, temperature, ktargets, lse, ent, kept = res
     g, e = cts
     hk, tk, ktk, lk, ek, gk, eek = _varying(st, hidden, temperature, ktargets, lse, ent, g.astype(F32), e.astype(F32))

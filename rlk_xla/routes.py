@@ -23,15 +23,17 @@ _AUDIT_ZERO = {"calls": 0, "rows": 0, "sum_abs_dlogp": 0.0, "max_abs_dlogp": 0.0
 _audit = dict(_AUDIT_ZERO)
 
 
-def count_reference(tokens: int, reason: str | None) -> None:
-    """At run time: one call of the reference path; `reason` is the fallback's, None for mode=off."""
-    def record():
+def count_reference(targets, reason: str | None) -> None:
+    """At run time: one call of the reference path over the rows of `targets` (their number as it
+    runs: under vmap the callback runs once per batch item, each counting its own rows, as the
+    fused kernels count); `reason` is the fallback's, None for mode=off."""
+    def record(t):
         with _lock:
             _reference["calls"] += 1
-            _reference["tokens"] += tokens
+            _reference["tokens"] += int(np.size(t))
             if reason is not None:
                 _fallbacks[reason] += 1
-    jax.debug.callback(record)
+    jax.debug.callback(record, targets)
 
 
 def record_audit(ours, ref) -> None:

@@ -133,6 +133,7 @@ def parse(hidden, weight, targets, *, bias, temperature, ignore_index, vocab_sta
     ts = check_tensors(hidden, weight, targets, bias)
     hs = tuple(hidden.shape)
     ignore_index = common.check_ignore_index(ignore_index)
+    rule = common.id_rule(int(torch.iinfo(targets.dtype).min), int(torch.iinfo(targets.dtype).max), ignore_index)
 
     n = math.prod(ts)
     scalar = check_temperature(temperature, ts, hidden)
@@ -147,35 +148,50 @@ def parse(hidden, weight, targets, *, bias, temperature, ignore_index, vocab_sta
     real = common.real_vocab(real_vocab_size, v_global)
 
     return Args(hidden=hidden.reshape(n, hs[-1]), weight=weight, bias=bias,
-                targets=int32_targets(targets.reshape(n), ignore_index), temperature=temp, temperature_is_array=temp_is_array,
-                ignore_index=int(ignore_index), vocab_start=int(vocab_start), real_vocab=int(real),
+                targets=int32_targets(targets.reshape(n), rule), temperature=temp, temperature_is_array=temp_is_array,
+                ignore_index=rule.ignore, vocab_start=int(vocab_start), real_vocab=int(real),
                 v_global=int(v_global), tp=int(tp), rank=int(rank), tp_group=tp_group, out_shape=ts)
 
 
-def int32_targets(t: torch.Tensor, ignore_index: int) -> torch.Tensor:
-    """int32 ids for the kernels. int64 ids beyond int32 become invalid ids (a NaN row), never
-    wrapped ids, nor ignore_index: clamped to int32's ends (one kernel), or, when an end is
-    ignore_index, replaced by another invalid id."""
-    if t.dtype == torch.int32:
-        return t
-    if t.dtype == torch.int64:
-        lo, hi = -(2 ** 31), 2 ** 31 - 1
-        if lo < ignore_index < hi:
-            t = t.clamp(lo, hi)
-        else:
-            t = torch.where((t < lo) | (t > hi), torch.full_like(t, -1 if ignore_index != -1 else -2), t)
-    return t.to(torch.int32)
+def _signed(t: torch.Tensor) -> torch.Tensor:
+    """t's ids in a signed dtype torch can compare: uint16/uint32 widened exactly to int64; uint64
+    read as int64 (ids >= 2^63 read negative: out of range either way, as they are)."""
+    if t.dtype == torch.uint64:
+        return t.view(torch.int64)
+    return t.to(torch.int64) if t.dtype in (torch.uint16, torch.uint32) else t
+
+
+def _ignored(t: torch.Tensor, ignore_index: int):
+    """Rows whose id equals ignore_index, compared in t's own dtype (None: no id of it can)."""
+    info = torch.iinfo(t.dtype)
+    return t == ignore_index if info.min <= ignore_index <= info.max else None
+
+
+def int32_targets(t: torch.Tensor, rule: common.IdRule) -> torch.Tensor:
+    """int32 ids for the kernels by rlk_common.IdRule: checked in t's own dtype before the cast."""
+    if not rule.remap:
+        return t.to(torch.int32)
+    s = _signed(t)
+    bad = (s < 0) | (s > common.INT32_MAX)
+    ids = torch.where(bad, torch.full_like(s, rule.invalid), s).to(torch.int32)
+    ignored = _ignored(t, rule.ignore_index) if rule.match_ignore else None
+    return ids if ignored is None else torch.where(ignored, torch.full_like(ids, rule.ignore), ids)
 
 
 def validate_targets(targets, vocab_size: int, ignore_index: int = -100) -> None:
-    """Raise ValueError, eagerly, naming the first id outside [0, vocab_size) that is not ignore_index.
-    One device->host sync for CUDA tensors."""
+    """Raise ValueError, eagerly, naming the first id outside [0, vocab_size) that is not ignore_index
+    (any integer dtype, unsigned included; any int ignore_index). One device->host sync for CUDA tensors."""
     t = targets.detach().reshape(-1)
-    bad = (t != ignore_index) & ((t < 0) | (t >= vocab_size))
+    ignore_index = common.check_ignore_index(ignore_index)
+    s = _signed(t)
+    out = (s < 0) | (s >= vocab_size)
+    ignored = _ignored(t, ignore_index)
+    bad = out if ignored is None else out & ~ignored
     if bool(bad.any()):
         idx = torch.nonzero(bad).reshape(-1)
         i = int(idx[0])
-        raise ValueError(f"targets[{i}] = {int(t[i])} is outside [0, {vocab_size}) and is not "
+        value = int(s[i]) % 2 ** 64 if t.dtype == torch.uint64 else int(s[i])
+        raise ValueError(f"targets[{i}] = {value} is outside [0, {vocab_size}) and is not "
                          f"ignore_index={ignore_index} ({idx.numel()} bad ids in all)")
 
 

@@ -276,8 +276,9 @@ class KeptLogits:
             return
         if ctx.kept_logits_used:
             raise RuntimeError("torch_bridge.linear_logp: a second backward through the same graph with "
-                               "backward='fast': its kept logits were consumed by the first backward. Pass "
-                               "backward='lean' to backpropagate through one forward more than once.")
+                               "backward='fast': its kept logits were consumed by the first backward. To "
+                               "backpropagate through one forward more than once pass backward='lean' to "
+                               "linear_logp and retain_graph=True to every backward but the last.")
         ctx.kept_logits_used = True
 
     @staticmethod

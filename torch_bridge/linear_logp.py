@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+import rlk_common as common
+
 from . import _ops  # also registers torch.ops.rlk.*
 from . import reference, routes
 from ._args import Args, parse, resolve_backward, unsupported, validate_targets as _validate_targets
@@ -53,25 +55,29 @@ def linear_logp(hidden, weight, targets, *, bias=None, temperature=1.0, ignore_i
     RLK_BACKWARD_MEMORY_BUDGET, else 4 GiB), else lean. Nothing is kept when no gradient is needed.
     """
     mode = routes.resolve_mode(mode)
+    return_entropy = common.check_flag("return_entropy", return_entropy)
     a = parse(hidden, weight, targets, bias=bias, temperature=temperature, ignore_index=ignore_index,
               vocab_start=vocab_start, real_vocab_size=real_vocab_size, tp_group=tp_group)
     keep_logits = resolve_backward(backward, a.n, a.weight.shape[0], a.hidden.dtype,
                                    backward_memory_budget) == "fast" and _needs_grad(a)
     eager = not torch.compiler.is_compiling()
+    if mode == "audit" and not eager:
+        raise RuntimeError("torch_bridge.linear_logp(mode='audit') compares with the reference on the host and "
+                           "cannot run inside torch.compile: pass mode='auto' (or 'strict') in compiled code and "
+                           "audit in an eager call")
     if validate_targets and eager and not _capturing(a.hidden):
-        _validate_targets(targets, a.real_vocab, a.ignore_index)
+        _validate_targets(targets, a.real_vocab, ignore_index)
     n = a.n
     reason = unsupported(a.hidden)
     if n == 0 or mode == "off":
-        if n and eager:
-            routes.count_reference(n, None)
+        if n:
+            a.targets = routes.count_reference(a.targets, None)
         logp, ent = reference.rows(a, return_entropy, reduce_grad_hidden)
     elif reason is not None:
         if mode == "strict":
             raise RuntimeError(f"torch_bridge.linear_logp(mode='strict'): the fused kernels cannot run this call: "
                                f"{reason}")
-        if eager:
-            routes.count_reference(n, reason)
+        a.targets = routes.count_reference(a.targets, reason)
         logp, ent = reference.rows(a, return_entropy, reduce_grad_hidden)
     else:
         logp, ent = fused_rows(a, return_entropy, reduce_grad_hidden, keep_logits)

@@ -2,8 +2,8 @@
 
 The fused kernels count their own executions inside the compiled module (per backend: calls and
 tokens, forward and backward). The reference path, the fallbacks (by reason) and the audit records
-are counted here, on the host, when an eager call runs (under torch.compile they are counted when
-the call is traced, once per compilation).
+are counted here, on the host, whenever a call runs, eager or compiled (through the op
+rlk::count_reference); the audit only in eager calls (mode="audit" is refused inside torch.compile).
 """
 from __future__ import annotations
 
@@ -73,14 +73,33 @@ class AuditLog:
 _audit = AuditLog()
 
 
-def count_reference(tokens: int, reason: str | None) -> None:
-    """One call of the reference path; `reason` is the fallback's, None for mode=off."""
+def _record_reference(tokens: int, reason: str) -> None:
     with _lock:
         _reference["calls"] += 1
         _reference["tokens"] += int(tokens)
         _last["backend_id"] = "reference"
-        if reason is not None:
+        if reason:
             _fallbacks[reason] += 1
+
+
+@torch.library.custom_op("rlk::count_reference", mutates_args=())
+def _count_reference(targets: torch.Tensor, reason: str) -> torch.Tensor:
+    """Counts one reference call of targets.numel() rows when it runs, and passes the targets on (a
+    copy: an op's output may not alias its input). An op, not Python, so that a compiled graph
+    counts every run, not its trace; its output feeds the reference, so no compiler drops it."""
+    _record_reference(targets.numel(), reason)
+    return targets.clone()
+
+
+@_count_reference.register_fake
+def _(targets, reason):
+    return torch.empty_like(targets)
+
+
+def count_reference(targets: torch.Tensor, reason: str | None) -> torch.Tensor:
+    """One call of the reference path over these rows, counted when it runs (eager or compiled);
+    `reason` is the fallback's, None for mode=off. Returns the targets for the reference to use."""
+    return _count_reference(targets, reason or "")
 
 
 def note_backend(backend_id: str) -> None:

@@ -1,0 +1,175 @@
+"""The registered XLA FFI targets check every buffer they are given (rank, dims, dtype, against
+each other) and fail with an error naming it, never a crash: they are in XLA's global registry,
+where any caller may reach them through jax.ffi.ffi_call with any shapes. Also: the CPU thread
+pool turns a worker thread that cannot start into an error, not std::terminate."""
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+pytest.importorskip("jax", reason="jax is not installed: these tests need it")
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from rlk_xla._core import core, registered_platforms
+
+F32, BF16, I32 = jnp.float32, jnp.bfloat16, jnp.int32
+W = int(core.STAT_WIDTH)
+N, H, V = 8, 16, 32
+ATTRS = dict(vocab_start=np.int64(0), real_vocab=np.int64(V), chunk=np.int64(V), ignore_index=np.int64(-100),
+             has_bias=np.int64(1), with_entropy=np.int64(1))
+
+
+def sds(shape, dtype=F32):
+    return jax.ShapeDtypeStruct(shape, dtype)
+
+
+def operands(**over):
+    """hidden, weight, bias, targets, temperature of a valid forward; `over` replaces any by name."""
+    ops = dict(hidden=jnp.ones((N, H), F32), weight=jnp.ones((V, H), F32), bias=jnp.zeros((V,), F32),
+               targets=jnp.zeros((N,), I32), temperature=jnp.ones((N,), F32))
+    ops.update(over)
+    return list(ops.values())
+
+
+def fwd_results(**over):
+    res = dict(stats=sds((N, 1, W)), target_logit=sds((N,)))
+    res.update(over)
+    return list(res.values())
+
+
+def call(name, results, args, attrs=ATTRS):
+    registered_platforms()
+    return jax.block_until_ready(jax.ffi.ffi_call(name, results)(*args, **attrs))
+
+
+def test_valid_buffers_run():
+    stats, tl = call("rlk_forward", fwd_results(), operands())
+    assert stats.shape == (N, 1, W) and np.isfinite(np.asarray(stats)).all()
+
+
+@pytest.mark.parametrize("what,results,args", [
+    ("stats", fwd_results(stats=sds((1, 1, W))), operands()),               # far too few rows
+    ("stats", fwd_results(stats=sds((N, 1, W + 2))), operands()),
+    ("stats", fwd_results(stats=sds((N, 2, W))), operands()),               # chunks disagree with chunk
+    ("stats", fwd_results(stats=sds((N, 1, W), BF16)), operands()),
+    ("target_logit", fwd_results(target_logit=sds((3,))), operands()),
+    ("target_logit", fwd_results(target_logit=sds((N, 1))), operands()),
+    ("targets", fwd_results(), operands(targets=jnp.zeros((3,), I32))),
+    ("targets", fwd_results(), operands(targets=jnp.zeros((N,), jnp.int16))),
+    ("targets", fwd_results(), operands(targets=jnp.zeros((N,), F32))),
+    ("temperature", fwd_results(), operands(temperature=jnp.ones((1,), F32))),
+    ("temperature", fwd_results(), operands(temperature=jnp.ones((N,), jnp.float16))),
+    ("bias", fwd_results(), operands(bias=jnp.zeros((3,), F32))),
+    ("bias", fwd_results(), operands(bias=jnp.zeros((V,), BF16))),
+    ("weight", fwd_results(), operands(weight=jnp.ones((V, H), BF16))),
+    ("weight", fwd_results(), operands(weight=jnp.ones((V, H + 1), F32))),
+    ("hidden", fwd_results(), operands(hidden=jnp.ones((H,), F32))),
+    ("hidden", fwd_results(), operands(hidden=jnp.ones((N, H), jnp.int32))),
+], ids=lambda x: x if isinstance(x, str) else "")
+def test_forward_rejects(what, results, args):
+    with pytest.raises(Exception, match=f"rlk: {what}|rlk: hidden"):
+        call("rlk_forward", results, args)
+
+
+def test_forward_rejects_a_200000_row_problem_with_a_tiny_stats_buffer():
+    n = 200_000
+    args = [jnp.ones((n, 4), F32), jnp.ones((8, 4), F32), jnp.zeros((0,), F32), jnp.zeros((n,), I32),
+            jnp.ones((n,), F32)]
+    attrs = dict(ATTRS, real_vocab=np.int64(8), chunk=np.int64(8), has_bias=np.int64(0))
+    with pytest.raises(Exception, match="rlk: stats must be"):
+        call("rlk_forward", [sds((1, 1, 3)), sds((n,))], args, attrs)
+
+
+def test_forward_rejects_a_chunk_that_does_not_divide_the_vocab():
+    with pytest.raises(Exception, match="rlk: chunk"):
+        call("rlk_forward", fwd_results(), operands(), dict(ATTRS, chunk=np.int64(5)))
+
+
+@pytest.mark.parametrize("what,results,args", [
+    ("logp", [sds((N + 1,)), sds((N,)), sds((N,))], [jnp.zeros((N, 2, W)), jnp.zeros((N,)), jnp.zeros((N,), I32)]),
+    ("entropy", [sds((N,)), sds((N,)), sds((N, 2))], [jnp.zeros((N, 2, W)), jnp.zeros((N,)), jnp.zeros((N,), I32)]),
+    ("lse", [sds((N,)), sds((N,), BF16), sds((N,))], [jnp.zeros((N, 2, W)), jnp.zeros((N,)), jnp.zeros((N,), I32)]),
+    ("target_logit", [sds((N,))] * 3, [jnp.zeros((1, 2, W)), jnp.zeros((N,)), jnp.zeros((N,), I32)]),
+    ("stats", [sds((N,))] * 3, [jnp.zeros((N, 2, 1)), jnp.zeros((N,)), jnp.zeros((N,), I32)]),
+    ("target_logit", [sds((N,))] * 3, [jnp.zeros((N, 2, W)), jnp.zeros((2,)), jnp.zeros((N,), I32)]),
+    ("targets", [sds((N,))] * 3, [jnp.zeros((N, 2, W)), jnp.zeros((N,)), jnp.zeros((N,), jnp.int16)]),
+], ids=lambda x: x if isinstance(x, str) else "")
+def test_combine_rejects(what, results, args):
+    attrs = dict(real_vocab=np.int64(V), ignore_index=np.int64(-100))
+    with pytest.raises(Exception, match=f"rlk: {what}"):
+        call("rlk_combine", results, args, attrs)
+
+
+def bwd_args(**over):
+    ops = dict(zip(("hidden", "weight", "bias", "targets", "temperature"), operands()))
+    ops.update(lse=jnp.zeros((N,)), entropy=jnp.zeros((N,)), g=jnp.ones((N,)), e=jnp.ones((N,)))
+    ops.update(over)
+    return list(ops.values())
+
+
+def bwd_results(**over):
+    res = dict(dhidden=sds((N, H)), dweight=sds((V, H)), dbias=sds((V,)), dtemp=sds((N,)))
+    res.update(over)
+    return list(res.values())
+
+
+def test_valid_backward_runs():
+    dh, dw, db, dt = call("rlk_backward", bwd_results(), bwd_args())
+    assert dh.shape == (N, H) and np.isfinite(np.asarray(dw)).all()
+
+
+@pytest.mark.parametrize("what,results,args", [
+    ("dweight", bwd_results(dweight=sds((V - 1, H))), bwd_args()),
+    ("dweight", bwd_results(dweight=sds((V, H), BF16)), bwd_args()),
+    ("dbias", bwd_results(dbias=sds((0,))), bwd_args()),
+    ("dtemp", bwd_results(dtemp=sds((1,))), bwd_args()),
+    ("dhidden", bwd_results(dhidden=sds((N, H), jnp.float16)), bwd_args()),
+    ("dhidden", bwd_results(dhidden=sds((N,))), bwd_args()),
+    ("lse", bwd_results(), bwd_args(lse=jnp.zeros((2,)))),
+    ("entropy", bwd_results(), bwd_args(entropy=jnp.zeros((0,)))),
+    ("g", bwd_results(), bwd_args(g=jnp.zeros((N,), BF16))),
+    ("e", bwd_results(), bwd_args(e=jnp.zeros((N + 3,)))),
+    ("targets", bwd_results(), bwd_args(targets=jnp.zeros((N,), jnp.uint32))),
+], ids=lambda x: x if isinstance(x, str) else "")
+def test_backward_rejects(what, results, args):
+    with pytest.raises(Exception, match=f"rlk: {what}"):
+        call("rlk_backward", results, args)
+
+
+def test_fast_backward_rejects_kept_logits_of_the_wrong_shape():
+    args = bwd_args() + [jnp.zeros((N, V // 2), F32)]
+    with pytest.raises(Exception, match="rlk: kept logits"):
+        call("rlk_backward_fast", bwd_results() + [sds((N, V // 2))], args)
+
+
+def test_thread_start_failure_is_an_error_not_terminate():
+    """A worker thread that cannot start (an address-space limit too small for its stack) raises a
+    Python exception; the process lives on (before: `terminate called without an active
+    exception`)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    script = textwrap.dedent("""
+        import resource
+        import jax.numpy as jnp
+        import rlk_xla
+        h, w = jnp.ones((4096, 64)), jnp.ones((512, 64))
+        t = jnp.zeros((4096,), jnp.int32)
+        rlk_xla.linear_logp(h, w, t).block_until_ready()  # compiled, every lazy allocation done
+        with open("/proc/self/status") as f:
+            vm = next(int(l.split()[1]) * 1024 for l in f if l.startswith("VmSize"))
+        resource.setrlimit(resource.RLIMIT_AS, (vm + (16 << 20),) * 2)  # no room for 63 thread stacks
+        try:
+            rlk_xla.linear_logp(h * 2, w, t).block_until_ready()
+            print("RAN")
+        except Exception as e:
+            print("RAISED", e)
+    """)
+    env = dict(os.environ, RLK_NUM_THREADS="64", XLA_FLAGS="--xla_cpu_multi_thread_eigen=false",
+               PYTHONPATH=os.pathsep.join([root] + sys.path))
+    r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "RAISED" in r.stdout and "could not start a worker thread" in r.stdout, r.stdout + r.stderr[-2000:]

@@ -1,0 +1,93 @@
+"""torch_bridge against hostile arguments (issue 23): ids of every integer dtype range-checked
+before the int32 cast, counters under torch.compile, and errors that name the argument and say
+what to pass."""
+import pytest
+
+torch = pytest.importorskip("torch", reason="torch is not installed: these tests need it")
+
+import torch_bridge as tb
+from torch_bridge import routes
+
+N, H, V = 6, 16, 40
+
+
+def inputs(seed=0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(N, H, generator=g, dtype=dtype), torch.randn(V, H, generator=g, dtype=dtype) / H ** 0.5
+
+
+@pytest.mark.parametrize("dtype", [torch.uint32, torch.uint64, torch.int64])
+def test_ids_beyond_int32_are_nan_rows_not_other_ids(dtype):
+    h, w = inputs()
+    ids = [3, 2 ** 32 - 100, 5, 2 ** 32 + 5 if dtype != torch.uint32 else 2 ** 31, 0, 39]
+    t = torch.tensor(ids, dtype=torch.int64 if dtype != torch.uint64 else torch.uint64).to(dtype)
+    lp = tb.linear_logp(h, w, t, validate_targets=False)
+    ref = tb.linear_logp(h, w, torch.tensor([3, 0, 5, 0, 0, 39]))
+    assert torch.isnan(lp[[1, 3]]).all()  # before: uint32 2^32-100 was ignore_index -100, 2^32+5 id 5
+    torch.testing.assert_close(lp[[0, 2, 4, 5]], ref[[0, 2, 4, 5]], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.uint16, torch.uint32, torch.uint64, torch.int8, torch.int16])
+def test_validate_targets_with_unsigned_and_small_ids(dtype):
+    """Before: uint16/32/64 raised NotImplementedError "lt_cpu" even for valid ids."""
+    h, w = inputs()
+    t = torch.tensor([0, 1, 5, 39, 12, 3]).to(dtype)
+    torch.testing.assert_close(tb.linear_logp(h, w, t), tb.linear_logp(h, w, t.to(torch.int64)), rtol=0, atol=0)
+    bad = torch.tensor([0, 1, 5, 40, 12, 3]).to(dtype)
+    with pytest.raises(ValueError, match=r"targets\[3\] = 40 is outside \[0, 40\)"):
+        tb.linear_logp(h, w, bad)
+
+
+def test_uint64_top_ids_and_ignore_index_outside_int32():
+    h, w = inputs()
+    t = torch.tensor([3, 2 ** 63 + 1, 5, 7, 2 ** 32 + 5, 1], dtype=torch.uint64)
+    with pytest.raises(ValueError, match=rf"targets\[1\] = {2 ** 63 + 1} is outside"):
+        tb.linear_logp(h, w, t, ignore_index=2 ** 32 + 5)
+    lp = tb.linear_logp(h, w, t, ignore_index=2 ** 32 + 5, validate_targets=False)
+    assert torch.isnan(lp[1]) and lp[4] == 0 and torch.isfinite(lp[[0, 2, 3, 5]]).all()
+    # an int32 id -1 with an ignore_index outside int32: an invalid id (NaN), not ignored
+    lp = tb.linear_logp(h, w, torch.tensor([-1, 3, 4, 5, 6, 7], dtype=torch.int32), ignore_index=-(2 ** 40),
+                        validate_targets=False)
+    assert torch.isnan(lp[0]) and torch.isfinite(lp[1:]).all()
+
+
+def test_int64_ids_under_torch_compile():
+    h, w = inputs()
+    h.requires_grad_(True)
+    t = torch.tensor([3, 2 ** 32 + 5, 5, -100, 0, 39])
+    f = torch.compile(lambda h, w, t: tb.linear_logp(h, w, t), fullgraph=True)
+    lp = f(h, w, t)
+    assert torch.isnan(lp[1]) and lp[3] == 0 and torch.isfinite(lp[[0, 2, 4, 5]]).all()
+
+
+def test_fallbacks_counted_under_torch_compile():
+    """A float64 call falls back to the reference: counted on every compiled run (before: never)."""
+    h, w = inputs(dtype=torch.float64)
+    t = torch.tensor([3, 2, 5, 1, 0, 39])
+    f = torch.compile(lambda h, w, t: tb.linear_logp(h, w, t), fullgraph=True)
+    f(h, w, t)
+    routes.reset_route_stats()
+    f(h, w, t), f(h, w, t)
+    s = routes.route_stats()
+    assert s["fallback_total"] == 2 and s["reference"] == {"calls": 2, "tokens": 2 * N}
+    tb.linear_logp(h, w, t, mode="off")
+    assert routes.route_stats()["reference"] == {"calls": 3, "tokens": 3 * N}
+
+
+def test_messages_name_the_argument_and_what_to_pass():
+    h, w = inputs()
+    t = torch.arange(N)
+    with pytest.raises(TypeError, match="return_entropy must be True or False, got 1"):
+        tb.linear_logp(h, w, t, return_entropy=1)
+    with pytest.raises(ValueError, match="V >= 1 vocab rows, got V = 0"):
+        tb.linear_logp(h, w[:0], t)
+    with pytest.raises(Exception, match="mode='audit'.*cannot run inside torch.compile: pass mode='auto'"):
+        torch.compile(lambda h: tb.linear_logp(h, w, t, mode="audit"), fullgraph=True)(h)
+    hg = h.clone().requires_grad_(True)
+    lp = tb.linear_logp(hg, w, t, backward="fast")
+    lp.sum().backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="pass backward='lean' to linear_logp and retain_graph=True"):
+        lp.sum().backward()
+    lp = tb.linear_logp(hg, w, t, backward="lean")  # what the message says works
+    lp.sum().backward(retain_graph=True)
+    lp.sum().backward()
