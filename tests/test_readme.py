@@ -16,7 +16,7 @@ from subprocs import cpu_env, free_port, run_all
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
-TIMEOUT_S = 120
+TIMEOUT_S = 300  # a loaded 2-core machine: importing torch and the first call take most of it
 MARK = re.compile(r"^<!--\s*(not run:\s*(?P<reason>.+?)|run:\s*(?P<procs>\d+)\s+process(es)?)\s*-->$")
 
 

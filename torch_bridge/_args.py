@@ -133,7 +133,7 @@ def parse(hidden, weight, targets, *, bias, temperature, ignore_index, vocab_sta
     ts = check_tensors(hidden, weight, targets, bias)
     hs = tuple(hidden.shape)
     ignore_index = common.check_ignore_index(ignore_index)
-    rule = common.id_rule(int(torch.iinfo(targets.dtype).min), int(torch.iinfo(targets.dtype).max), ignore_index)
+    rule = id_rule(targets, ignore_index)
 
     n = math.prod(ts)
     scalar = check_temperature(temperature, ts, hidden)
@@ -165,6 +165,12 @@ def _ignored(t: torch.Tensor, ignore_index: int):
     """Rows whose id equals ignore_index, compared in t's own dtype (None: no id of it can)."""
     info = torch.iinfo(t.dtype)
     return t == ignore_index if info.min <= ignore_index <= info.max else None
+
+
+def id_rule(targets: torch.Tensor, ignore_index: int) -> common.IdRule:
+    """rlk_common's IdRule for ids of this tensor's dtype."""
+    info = torch.iinfo(targets.dtype)
+    return common.id_rule(int(info.min), int(info.max), ignore_index)
 
 
 def int32_targets(t: torch.Tensor, rule: common.IdRule) -> torch.Tensor:

@@ -22,7 +22,7 @@ from typing import Any, Optional
 import torch
 
 from . import _ops  # noqa: F401  (registers torch.ops.rlk.combine)
-from ._args import chunk_of, int32_targets
+from ._args import chunk_of, id_rule, int32_targets
 
 F32 = torch.float32
 NEG_INF = float("-inf")
@@ -37,10 +37,11 @@ def logp_from_logits(logits, targets, *, keep_mask=None, vocab_start=0, real_voc
     padding; keep_mask: [n, V_local] bool or None."""
     n, v = logits.shape
     tp = 1 if tp_group is None else torch.distributed.get_world_size(tp_group)
+    rule = id_rule(targets, int(ignore_index))
     cfg = _Cfg(vocab_start=int(vocab_start), real_vocab=int(v * tp if real_vocab is None else real_vocab),
-               v_global=v * tp, ignore_index=int(ignore_index), group=tp_group if tp > 1 else None,
+               v_global=v * tp, ignore_index=rule.ignore, group=tp_group if tp > 1 else None,
                with_entropy=bool(with_entropy))
-    t32 = int32_targets(targets.reshape(n), cfg.ignore_index)
+    t32 = int32_targets(targets.reshape(n), rule)
     keep = None if keep_mask is None else keep_mask.to(torch.bool)
     logp, ent = _FromLogits.apply(logits.to(F32).contiguous(), t32, keep, cfg)
     return logp, (ent if with_entropy else None)
