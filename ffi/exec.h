@@ -11,6 +11,7 @@
 namespace rlk {
 
 struct CpuExec {
+  size_t kept_bytes(const Problem& p) const { return cpu::kept_bytes(p); }
   Status forward(const Problem& p, const FwdArgs& a) {
     count_call(Backend::kCpu, false, p.n);
     return cpu::forward(p, a);
@@ -27,6 +28,8 @@ struct CpuExec {
 struct CudaExec {
   cudaStream_t stream;
   cuda::Workspace ws;
+
+  size_t kept_bytes(const Problem& p) const { return cuda::kept_bytes(p); }
 
   Status forward(const Problem& p, const FwdArgs& a) {
     Backend ran = Backend::kCudaPortable;
