@@ -279,11 +279,13 @@ void load_row_block(const Problem& p, const BwdArgs& a, int64_t blk, RowBlock& r
       const bool in = r < p.n;
       const int64_t t = in ? a.targets[r] : p.ignore_index;
       const bool act = in && classify_target(t, p.real_vocab, p.ignore_index) == TargetKind::kValid;
+      // A row with non-finite statistics (a NaN row) gets NaN in every column, -inf logits too.
+      const bool nan_row = act && !(std::isfinite(a.m[r]) && std::isfinite(a.log_s[r]));
       rb.inv_temp[rv][l] = in ? reciprocal(a.temperature[r]) : 1.f;
       rb.m[rv][l] = act ? a.m[r] : 0.f;
       rb.log_s[rv][l] = act ? a.log_s[r] : 0.f;
       rb.c[rv][l] = act && a.entropy ? a.log_s[r] - a.entropy[r] : 0.f;
-      rb.g[rv][l] = act ? a.g[r] : 0.f;
+      rb.g[rv][l] = nan_row ? NAN : act ? a.g[r] : 0.f;
       rb.e[rv][l] = act && a.e ? a.e[r] : 0.f;
       rb.target[rv][l] = int32_t(act ? t : -1);
       rb.active[rv][l] = act ? 1.f : 0.f;
