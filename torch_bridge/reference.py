@@ -1,10 +1,11 @@
 """The reference: plain torch with materialized fp32 logits. The oracle of the tests, the `off`
 path and the fallback of `auto`.
 
-Its logits do not depend on torch's global matmul precision (torch.set_float32_matmul_precision,
-allow_tf32): bf16 operands are exact in every internal format torch may pick (TF32, bf16) and
-accumulate in fp32; fp16, fp32 and float64 operands are multiplied in float64 and rounded once to
-fp32, so a user's "high" or "medium" never turns the reference into TF32 or bf16 arithmetic.
+Its logits are full fp32 whatever torch's global matmul precision (torch.set_float32_matmul_precision,
+allow_tf32): fp16, fp32 and float64 operands are multiplied in float64 and rounded once to fp32
+(the same bits under "highest", "high" and "medium"); bf16 operands are exact in every internal
+format torch may pick (TF32, bf16) and accumulate in fp32 (under "medium" possibly in another
+order), and stay on the fp32 path, half the cost of float64, for the common bf16 fallback.
 
 Same signature and semantics as torch_bridge.linear_logp. With `tp_group`, the weight is this
 rank's vocab shard and the row statistics (max, sum-exp, target logit, sum p z) are combined with
