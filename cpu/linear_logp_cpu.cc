@@ -81,7 +81,7 @@ void logits_tile(const float* wf, const float* ap, int64_t q0, int64_t h, float*
 
 // Per-row data of one row block, as vectors of rows.
 struct RowBlock {
-  f32x16 inv_temp[kRowVecs], lse[kRowVecs], ent[kRowVecs], g[kRowVecs], e[kRowVecs];
+  f32x16 inv_temp[kRowVecs], m[kRowVecs], log_s[kRowVecs], c[kRowVecs], g[kRowVecs], e[kRowVecs];  // c = log_s - ent
   i32x16 target[kRowVecs];
   f32x16 active[kRowVecs];  // 1 for rows that get gradient, else 0
 };
@@ -95,32 +95,73 @@ void scale_tile(float* t, const float* bias_f, int64_t valid, const f32x16* inv_
     }
 }
 
-// ---- kept logits (FwdArgs::logits, the fast backward's input): [n, v] in logits_dtype ----------
-float kept_value(float z) { return std::clamp(z, -kMaxKeptLogit, kMaxKeptLogit); }
+// ---- the kept buffer (FwdArgs::logits, the fast backward's input; kept_bytes) --------------------
+// fp32 operands: z [n, v] fp32, as the forward computed it (what lean recomputes, bit for bit).
+// 16-bit operands, one record per row (row_bytes):
+//   float moments[chunks][4]   the chunk's (m, s, a, b), b = sum_j exp(z_j - m) (z_j - m)^2
+//   float tile_max[chunks * tiles_per_chunk]   mt: the running row max after each tile
+//   float z_target             the forward's target_logit
+//   fp16  q[v (even)]          q_j = exp(z_j - mt) of the column's tile, in [0, 1]
+// so p_j = q_j exp((mt - m) - log_s) has fp16's uniform relative error at every |z|, and dT, an
+// fp32 output, comes from the fp32 moments (see kept_dzz) instead of from q.
+struct KeptRow {
+  int64_t chunks, tiles_per_chunk, floats, bytes;
+  explicit KeptRow(const Problem& p)
+      : chunks(num_chunks(p)), tiles_per_chunk(cdiv(p.chunk, kTileV)),
+        floats(chunks * 4 + chunks * tiles_per_chunk + 1), bytes(floats * 4 + 2 * (p.v + p.v % 2)) {}
+  float* moments(void* kept, int64_t r) const { return reinterpret_cast<float*>(static_cast<char*>(kept) + r * bytes); }
+  float* tile_max(void* kept, int64_t r) const { return moments(kept, r) + chunks * 4; }
+  float* z_target(void* kept, int64_t r) const { return tile_max(kept, r) + chunks * tiles_per_chunk; }
+  uint16_t* q(void* kept, int64_t r) const {
+    return reinterpret_cast<uint16_t*>(static_cast<char*>(kept) + r * bytes + floats * 4);
+  }
+};
 
-// Tile T[j][r] (columns v0.., rows r0..) -> kept[r][v0 + j] for j < cols (z_of_col(j, r)).
-template <class ZOf>
-void store_kept(const Problem& p, void* kept, int64_t r0, int64_t v0, int64_t cols, ZOf z_of) {
-  const bool f32 = logits_dtype(p.dtype) == DType::kF32;
+bool kept_f32(const Problem& p) { return p.dtype == DType::kF32; }
+
+// Tile T[j][r] (columns v0.., rows r0..) -> the kept buffer for j < cols: z (fp32) or q (16-bit).
+void store_kept(const Problem& p, void* kept, int64_t r0, int64_t v0, int64_t cols, const float* t) {
+  const KeptRow row(p);
   for (int64_t r = 0; r < kBlock && r0 + r < p.n; ++r) {
-    const int64_t o = (r0 + r) * p.v + v0;
-    for (int64_t j = 0; j < cols; ++j) {
-      const float z = kept_value(z_of(j, r));
-      if (f32) static_cast<float*>(kept)[o + j] = z;
-      else static_cast<uint16_t*>(kept)[o + j] = f32_to_f16(z);
+    if (kept_f32(p)) {
+      float* z = static_cast<float*>(kept) + (r0 + r) * p.v + v0;
+      for (int64_t j = 0; j < cols; ++j) z[j] = t[j * kBlock + r];
+    } else {
+      uint16_t* q = row.q(kept, r0 + r) + v0;
+      for (int64_t j = 0; j < cols; ++j) q[j] = f32_to_f16(t[j * kBlock + r]);
     }
   }
 }
 
-// kept[r][v0 + j] -> T[j][r] for j < valid; rows past n read as 0 (they get no gradient).
+// Every byte of the kept buffer is written: chunk c's padding columns [pad0, c1) of rows r0.. get
+// z = -inf (fp32) or q = 0 and tile maxima -inf (16-bit; also the odd v's spare q slot).
+void fill_kept_padding(const Problem& p, void* kept, int64_t r0, int64_t c, int64_t pad0) {
+  const KeptRow row(p);
+  const int64_t c0 = c * p.chunk, c1 = c0 + p.chunk;
+  for (int64_t r = r0; r < std::min(p.n, r0 + kBlock); ++r) {
+    if (kept_f32(p)) {
+      std::fill(static_cast<float*>(kept) + r * p.v + pad0, static_cast<float*>(kept) + r * p.v + c1, -INFINITY);
+      continue;
+    }
+    std::fill(row.q(kept, r) + pad0, row.q(kept, r) + c1 + (c1 == p.v ? p.v % 2 : 0), uint16_t(0));
+    float* tmax = row.tile_max(kept, r) + c * row.tiles_per_chunk;
+    std::fill(tmax + cdiv(pad0 - c0, kTileV), tmax + row.tiles_per_chunk, -INFINITY);
+  }
+}
+
+// The kept buffer -> T[j][r] for j < valid (z or q); rows past n read as 0 (they get no gradient).
 void load_kept(const Problem& p, const void* kept, int64_t r0, int64_t v0, int64_t valid, float* t) {
-  const bool f32 = logits_dtype(p.dtype) == DType::kF32;
+  const KeptRow row(p);
   for (int64_t r = 0; r < kBlock; ++r) {
-    const int64_t o = (r0 + r) * p.v + v0;
-    for (int64_t j = 0; j < valid; ++j)
-      t[j * kBlock + r] = r0 + r >= p.n ? 0.f
-                          : f32         ? static_cast<const float*>(kept)[o + j]
-                                        : f16_to_f32(static_cast<const uint16_t*>(kept)[o + j]);
+    if (r0 + r >= p.n) {
+      for (int64_t j = 0; j < valid; ++j) t[j * kBlock + r] = 0.f;
+    } else if (kept_f32(p)) {
+      const float* z = static_cast<const float*>(kept) + (r0 + r) * p.v + v0;
+      for (int64_t j = 0; j < valid; ++j) t[j * kBlock + r] = z[j];
+    } else {
+      const uint16_t* q = row.q(const_cast<void*>(kept), r0 + r) + v0;
+      for (int64_t j = 0; j < valid; ++j) t[j * kBlock + r] = f16_to_f32(q[j]);
+    }
   }
 }
 
@@ -133,7 +174,9 @@ struct FwdScratch {
 void forward_unit(const Problem& p, const FwdArgs& a, const float* ap, int64_t blk, int64_t c,
                   FwdScratch& s) {
   const int64_t r0 = blk * kBlock;
-  f32x16 inv_temp[kRowVecs], m[kRowVecs], sum[kRowVecs], acc_a[kRowVecs];
+  const bool keep_q = a.logits && !kept_f32(p);  // the 16-bit kept record: q, tile maxima, moments
+  const KeptRow row(p);
+  f32x16 inv_temp[kRowVecs], m[kRowVecs], sum[kRowVecs], acc_a[kRowVecs], acc_b[kRowVecs];
   for (int rv = 0; rv < kRowVecs; ++rv) {
     float tmp[kLanes];
     for (int l = 0; l < kLanes; ++l) {
@@ -142,8 +185,7 @@ void forward_unit(const Problem& p, const FwdArgs& a, const float* ap, int64_t b
     }
     inv_temp[rv] = load16(tmp);
     m[rv] = splat(-INFINITY);
-    sum[rv] = splat(0.f);
-    acc_a[rv] = splat(0.f);
+    sum[rv] = acc_a[rv] = acc_b[rv] = splat(0.f);
   }
   const int64_t c0 = c * p.chunk, c1 = c0 + p.chunk;
   // Columns at or past `real_end` are padding.
@@ -153,33 +195,40 @@ void forward_unit(const Problem& p, const FwdArgs& a, const float* ap, int64_t b
     load_weight_tile(p, a.weight, v0, v0 + valid, s.wf.data());
     logits_tile(s.wf.data(), ap, 2 * blk, p.h, s.t.data());
     scale_tile(s.t.data(), p.has_bias ? a.bias + v0 : nullptr, valid, inv_temp);
-    if (a.logits)
-      store_kept(p, a.logits, r0, v0, valid, [&](int64_t j, int64_t r) { return s.t[j * kBlock + r]; });
+    if (a.logits && !keep_q) store_kept(p, a.logits, r0, v0, valid, s.t.data());
     for (int rv = 0; rv < kRowVecs; ++rv) {
+      // The tile's sums from zero (few roundings at the row's scale), relative to the new max mt.
+      // A NaN logit makes its sums NaN; a logit of -inf counts as probability 0.
       f32x16 mt = m[rv];
       for (int64_t j = 0; j < valid; ++j) mt = vmax(mt, load16(s.t.data() + j * kBlock + rv * kLanes));
-      // Rescale the running sums to the new max; rows still at -inf have nothing to rescale.
+      f32x16 ts = splat(0.f), ta = splat(0.f), tb = splat(0.f);
+      for (int64_t j = 0; j < valid; ++j) {
+        float* zp = s.t.data() + j * kBlock + rv * kLanes;
+        const f32x16 z = load16(zp);
+        const i32x16 live = z != -INFINITY;
+        const f32x16 tz = live ? z - mt : splat(0.f);
+        const f32x16 ez = live ? vexp(tz) : splat(0.f);
+        ts += ez;
+        ta += ez * tz;
+        tb += ez * tz * tz;  // also without keep_q: the same arithmetic, so the same bits, either way
+        if (keep_q) store16(zp, ez);
+      }
+      // Fold the tile into the running sums, rescaled to mt (selects, not products: d is NaN
+      // while m = mt = -inf; a NaN sum stays NaN).
       const f32x16 d = m[rv] - mt;
       const f32x16 alpha = vexp(d);
-      const i32x16 has = sum[rv] > 0.f;  // selects, not products: d is NaN while m = mt = -inf
-      acc_a[rv] = has ? alpha * (acc_a[rv] + d * sum[rv]) : splat(0.f);
-      sum[rv] = has ? alpha * sum[rv] : splat(0.f);
+      const i32x16 has = sum[rv] != 0.f;
+      acc_b[rv] = has ? alpha * (acc_b[rv] + d * (2.f * acc_a[rv] + d * sum[rv])) + tb : tb;
+      acc_a[rv] = has ? alpha * (acc_a[rv] + d * sum[rv]) + ta : ta;
+      sum[rv] = has ? alpha * sum[rv] + ts : ts;
       m[rv] = mt;
-      f32x16 ss = sum[rv], aa = acc_a[rv];
-      for (int64_t j = 0; j < valid; ++j) {
-        const f32x16 tz = load16(s.t.data() + j * kBlock + rv * kLanes) - mt;
-        const f32x16 ez = vexp(tz);
-        ss += ez;
-        aa += ez * tz;
-      }
-      sum[rv] = ss;
-      acc_a[rv] = aa;
+      if (keep_q)
+        for (int l = 0; l < kLanes && r0 + rv * kLanes + l < p.n; ++l)
+          row.tile_max(a.logits, r0 + rv * kLanes + l)[c * row.tiles_per_chunk + (v0 - c0) / kTileV] = mt[l];
     }
+    if (keep_q) store_kept(p, a.logits, r0, v0, valid, s.t.data());
   }
-  if (a.logits && real_end < c1) {  // the chunk's padding columns
-    const int64_t pad0 = std::max(c0, real_end);
-    store_kept(p, a.logits, r0, pad0, c1 - pad0, [](int64_t, int64_t) { return -kMaxKeptLogit; });
-  }
+  if (a.logits) fill_kept_padding(p, a.logits, r0, c, std::clamp(real_end, c0, c1));
   const int64_t k = num_chunks(p);
   for (int rv = 0; rv < kRowVecs; ++rv)
     for (int l = 0; l < kLanes; ++l) {
@@ -189,6 +238,10 @@ void forward_unit(const Problem& p, const FwdArgs& a, const float* ap, int64_t b
       st[0] = m[rv][l];
       st[1] = sum[rv][l];
       st[2] = p.with_entropy ? acc_a[rv][l] : 0.f;
+      if (keep_q) {
+        float* mom = row.moments(a.logits, r) + c * 4;
+        mom[0] = m[rv][l], mom[1] = sum[rv][l], mom[2] = acc_a[rv][l], mom[3] = acc_b[rv][l];
+      }
     }
 }
 
@@ -211,6 +264,10 @@ void target_logits(const Problem& p, const FwdArgs& a) {
       a.target_logit[r] = (acc + b) * reciprocal(a.temperature[r]);
     }
   });
+  if (a.logits && !kept_f32(p)) {
+    const KeptRow row(p);
+    for (int64_t r = 0; r < p.n; ++r) *row.z_target(a.logits, r) = a.target_logit[r];
+  }
 }
 
 // ---- backward --------------------------------------------------------------------------------
@@ -222,19 +279,30 @@ void load_row_block(const Problem& p, const BwdArgs& a, int64_t blk, RowBlock& r
       const bool in = r < p.n;
       const int64_t t = in ? a.targets[r] : p.ignore_index;
       const bool act = in && classify_target(t, p.real_vocab, p.ignore_index) == TargetKind::kValid;
+      // A row with non-finite statistics (a NaN row) gets NaN in every column, -inf logits too.
+      const bool nan_row = act && !(std::isfinite(a.m[r]) && std::isfinite(a.log_s[r]));
       rb.inv_temp[rv][l] = in ? reciprocal(a.temperature[r]) : 1.f;
-      rb.lse[rv][l] = act ? a.lse[r] : 0.f;
-      rb.ent[rv][l] = act && a.entropy ? a.entropy[r] : 0.f;
-      rb.g[rv][l] = act ? a.g[r] : 0.f;
+      rb.m[rv][l] = act ? a.m[r] : 0.f;
+      rb.log_s[rv][l] = act ? a.log_s[r] : 0.f;
+      rb.c[rv][l] = act && a.entropy ? a.log_s[r] - a.entropy[r] : 0.f;
+      rb.g[rv][l] = nan_row ? NAN : act ? a.g[r] : 0.f;
       rb.e[rv][l] = act && a.e ? a.e[r] : 0.f;
       rb.target[rv][l] = int32_t(act ? t : -1);
       rb.active[rv][l] = act ? 1.f : 0.f;
     }
 }
 
-// In place: z tile -> dlogit tile (dz * inv_temp); padded vocab rows and inactive rows give 0.
-// dzz (may be null) accumulates dz * z per row in vocab order.
-void dlogit_tile(float* t, int64_t gid0, int64_t valid, const RowBlock& rb, f32x16* dzz) {
+// What a backward tile holds: z (lean; fast with fp32 operands), or q of the 16-bit kept record
+// with, per row, d = mt - m and w = exp(d - log_s) (p = q w, z - m = log q + d).
+struct TileKind {
+  bool q = false;
+  f32x16 d[kRowVecs], w[kRowVecs];
+};
+
+// In place: z (or q) tile -> dlogit tile (dz * inv_temp); padded vocab rows and inactive rows give
+// 0. dzz (may be null) accumulates dz * (z - m) per row in vocab order (z tiles only).
+void dlogit_tile(float* t, int64_t gid0, int64_t valid, const RowBlock& rb, const TileKind& kind, bool entropy,
+                 f32x16* dzz) {
   for (int64_t j = 0; j < kTileV; ++j)
     for (int rv = 0; rv < kRowVecs; ++rv) {
       float* zp = t + j * kBlock + rv * kLanes;
@@ -242,26 +310,73 @@ void dlogit_tile(float* t, int64_t gid0, int64_t valid, const RowBlock& rb, f32x
         store16(zp, splat(0.f));
         continue;
       }
-      const f32x16 z = load16(zp);
-      const f32x16 pr = vexp(z - rb.lse[rv]);
+      const f32x16 x = load16(zp);
+      f32x16 zm, pr;
+      i32x16 live;
+      if (kind.q) {  // q = 0 (-inf, or below fp16): p = 0, and z - m is not needed
+        live = x != 0.f;
+        pr = x * kind.w[rv];
+        zm = entropy ? (live ? vlog(x) + kind.d[rv] : splat(0.f)) : splat(0.f);
+      } else {  // z = -inf (a logit masked by the bias): p = 0
+        live = x != -INFINITY;
+        zm = live ? x - rb.m[rv] : splat(0.f);
+        pr = live ? vexp(zm - rb.log_s[rv]) : splat(0.f);
+      }
       const f32x16 delta = rb.target[rv] == int32_t(gid0 + j) ? splat(1.f) : splat(0.f);
-      const f32x16 dz = rb.active[rv] > 0.f ? rb.g[rv] * (delta - pr) + rb.e[rv] * pr * (rb.lse[rv] - rb.ent[rv] - z)
+      const f32x16 dz = rb.active[rv] > 0.f ? rb.g[rv] * (delta - pr) + rb.e[rv] * (live ? pr * (rb.c[rv] - zm) : splat(0.f))
                                             : splat(0.f);
-      if (dzz) dzz[rv] += dz * z;
+      if (dzz) dzz[rv] += live ? dz * zm : splat(0.f);
       store16(zp, dz * rb.inv_temp[rv]);
     }
 }
 
-// The z tile of row block `blk` and columns [v0, v0 + valid): from the kept logits (fast) or
-// recomputed (lean; needs the weight tile in wf).
+// The tile of row block `blk` and columns [v0, v0 + valid) (forward tile `tile` of the row): from
+// the kept buffer (fast) or recomputed (lean; needs the weight tile in wf).
 void z_tile(const Problem& p, const BwdArgs& a, const float* ap, int64_t blk, int64_t v0, int64_t valid,
-            const RowBlock& rb, const float* wf, float* t) {
-  if (a.logits) {
-    load_kept(p, a.logits, blk * kBlock, v0, valid, t);
+            int64_t tile, const RowBlock& rb, const float* wf, float* t, TileKind& kind) {
+  kind.q = a.logits && !kept_f32(p);
+  if (!a.logits) {
+    logits_tile(wf, ap, 2 * blk, p.h, t);
+    scale_tile(t, p.has_bias ? a.bias + v0 : nullptr, valid, rb.inv_temp);
     return;
   }
-  logits_tile(wf, ap, 2 * blk, p.h, t);
-  scale_tile(t, p.has_bias ? a.bias + v0 : nullptr, valid, rb.inv_temp);
+  load_kept(p, a.logits, blk * kBlock, v0, valid, t);
+  if (!kind.q) return;
+  const KeptRow row(p);
+  for (int rv = 0; rv < kRowVecs; ++rv) {
+    float mt[kLanes];
+    for (int l = 0; l < kLanes; ++l) {
+      const int64_t r = blk * kBlock + rv * kLanes + l;
+      mt[l] = rb.active[rv][l] > 0.f ? row.tile_max(a.logits, r)[tile] : 0.f;
+    }
+    kind.d[rv] = load16(mt) - rb.m[rv];
+    kind.w[rv] = vexp(kind.d[rv] - rb.log_s[rv]);
+  }
+}
+
+// sum_j dz_j (z_j - m) of this shard's columns for the rows of rb, from the 16-bit kept record's
+// fp32 chunk moments (m_c, s_c, a_c, b_c): with d = m_c - m and w = exp(d - log_s), a chunk gives
+//   w [(c e - g) (a_c + d s_c) - e (b_c + d (2 a_c + d s_c))],  c = log_s - ent,
+// and the target, when it is a column of this shard, g (z_t - m).
+void kept_dzz(const Problem& p, const BwdArgs& a, int64_t blk, const RowBlock& rb, f32x16* dzz) {
+  const KeptRow row(p);
+  const int64_t real_end = std::clamp<int64_t>(p.real_vocab - p.vocab_start, 0, p.v);
+  for (int rv = 0; rv < kRowVecs; ++rv)
+    for (int l = 0; l < kLanes; ++l) {
+      const int64_t r = blk * kBlock + rv * kLanes + l;
+      if (!(rb.active[rv][l] > 0.f)) continue;
+      const float m = rb.m[rv][l], log_s = rb.log_s[rv][l], g = rb.g[rv][l], e = rb.e[rv][l], c = rb.c[rv][l];
+      const float* mom = row.moments(a.logits, r);
+      float acc = 0.f;
+      for (int64_t k = 0; k < row.chunks; ++k, mom += 4) {
+        if (mom[1] == 0.f) continue;  // only padding
+        const float d = mom[0] - m, w = expf(d - log_s), ad = mom[2] + d * mom[1];
+        acc += w * ((c * e - g) * ad - e * (mom[3] + d * (2.f * mom[2] + d * mom[1])));
+      }
+      const int64_t t = rb.target[rv][l] - p.vocab_start;
+      if (t >= 0 && t < real_end) acc += g * (*row.z_target(a.logits, r) - m);
+      dzz[rv][l] = acc;
+    }
 }
 
 struct BwdScratch {
@@ -274,14 +389,18 @@ void dhidden_unit(const Problem& p, const BwdArgs& a, const float* ap, int64_t b
   RowBlock rb;
   load_row_block(p, a, blk, rb);
   f32x16 dzz[kRowVecs] = {};
+  TileKind kind;
+  if (a.logits && !kept_f32(p)) kept_dzz(p, a, blk, rb, dzz);
   std::fill(s.dh.begin(), s.dh.end(), 0.f);
   const int64_t real_end = std::clamp<int64_t>(p.real_vocab - p.vocab_start, 0, p.v);
+  const int64_t tiles_per_chunk = cdiv(p.chunk, kTileV);
   for (int64_t c0 = 0; c0 < real_end; c0 += p.chunk)
     for (int64_t v0 = c0; v0 < std::min(c0 + p.chunk, real_end); v0 += kTileV) {
       const int64_t valid = std::min({kTileV, c0 + p.chunk - v0, real_end - v0});
+      const int64_t tile = c0 / p.chunk * tiles_per_chunk + (v0 - c0) / kTileV;
       load_weight_tile(p, a.weight, v0, v0 + valid, s.wf.data());
-      z_tile(p, a, ap, blk, v0, valid, rb, s.wf.data(), s.t.data());
-      dlogit_tile(s.t.data(), p.vocab_start + v0, valid, rb, dzz);
+      z_tile(p, a, ap, blk, v0, valid, tile, rb, s.wf.data(), s.t.data(), kind);
+      dlogit_tile(s.t.data(), p.vocab_start + v0, valid, rb, kind, p.with_entropy, kind.q ? nullptr : dzz);
       // dh[r][k] += sum_j dlogit[j][r] wf[j][k]: eight rows by two vectors of k per step.
       for (int64_t r = 0; r < kBlock; r += 8)
         for (int64_t k = 0; k + 2 * kLanes <= p.h; k += 2 * kLanes) {
@@ -318,22 +437,26 @@ void dhidden_unit(const Problem& p, const BwdArgs& a, const float* ap, int64_t b
   }
 }
 
-// Pass 2: dW and db of one vocab tile, over all row blocks in order.
+// Pass 2: dW and db of one vocab tile (the forward's tiles: kTileV columns from each chunk's
+// first), over all row blocks in order.
 void dweight_unit(const Problem& p, const BwdArgs& a, const float* ap, int64_t tile, BwdScratch& s) {
-  const int64_t v0 = tile * kTileV;
+  const int64_t tiles_per_chunk = cdiv(p.chunk, kTileV);
+  const int64_t c1 = (tile / tiles_per_chunk + 1) * p.chunk;
+  const int64_t v0 = tile / tiles_per_chunk * p.chunk + tile % tiles_per_chunk * kTileV;
   const int64_t real_end = std::clamp<int64_t>(p.real_vocab - p.vocab_start, 0, p.v);
-  const int64_t valid = std::clamp<int64_t>(real_end - v0, 0, kTileV);
-  const int64_t rows = std::min(kTileV, p.v - v0);
+  const int64_t rows = std::min(kTileV, c1 - v0);
+  const int64_t valid = std::clamp<int64_t>(std::min(real_end, c1) - v0, 0, kTileV);
   std::fill(s.dwt.begin(), s.dwt.end(), 0.f);  // dwt[k][j]
   float db[kTileV] = {};
   if (valid > 0) {
     if (!a.logits) load_weight_tile(p, a.weight, v0, v0 + valid, s.wf.data());
     RowBlock rb;
+    TileKind kind;
     std::vector<float>& dt = s.dt;  // dlogit transposed: dt[r][j]
     for (int64_t blk = 0; blk < cdiv(p.n, kBlock); ++blk) {
       load_row_block(p, a, blk, rb);
-      z_tile(p, a, ap, blk, v0, valid, rb, s.wf.data(), s.t.data());
-      dlogit_tile(s.t.data(), p.vocab_start + v0, valid, rb, nullptr);
+      z_tile(p, a, ap, blk, v0, valid, tile, rb, s.wf.data(), s.t.data(), kind);
+      dlogit_tile(s.t.data(), p.vocab_start + v0, valid, rb, kind, p.with_entropy, nullptr);
       for (int64_t j = 0; j < kTileV; ++j)
         for (int64_t r = 0; r < kBlock; ++r) {
           dt[r * kTileV + j] = s.t[j * kBlock + r];
@@ -388,14 +511,20 @@ Status forward(const Problem& p, const FwdArgs& a) {
   return nullptr;
 }
 
+size_t kept_bytes(const Problem& p) {
+  if (p.chunk <= 0 || p.v % p.chunk != 0) return 0;
+  return size_t(p.n) * size_t(kept_f32(p) ? p.v * 4 : KeptRow(p).bytes);
+}
+
 Status combine(const CombineArgs& a) {
   parallel_for(cdiv(a.n, 1024), workers_for(cdiv(a.n, 1024)), [&](int, int64_t u) {
     for (int64_t r = u * 1024; r < std::min(a.n, (u + 1) * 1024); ++r) {
       const RowResult res = combine_row(a.stats + r * a.k * kStatWidth, a.k, a.target_logit[r], a.targets[r],
                                         a.real_vocab, a.ignore_index);
-      a.logp[r] = res.logp;
-      a.lse[r] = res.lse;
-      a.entropy[r] = res.entropy;
+      if (a.logp) a.logp[r] = res.logp;
+      if (a.entropy) a.entropy[r] = res.entropy;
+      if (a.m) a.m[r] = res.m;
+      if (a.log_s) a.log_s[r] = res.log_s;
     }
   });
   return nullptr;
@@ -411,7 +540,7 @@ Status backward(const Problem& p, const BwdArgs& a) {
     return nullptr;
   }
   const std::vector<float> ap = pack_hidden(p, a.hidden);
-  const int64_t blocks = cdiv(p.n, kBlock), tiles = cdiv(p.v, kTileV);
+  const int64_t blocks = cdiv(p.n, kBlock), tiles = num_chunks(p) * cdiv(p.chunk, kTileV);
   auto make = [&](int workers, bool pass1) {
     std::vector<BwdScratch> sc(static_cast<size_t>(workers));
     for (auto& s : sc) {

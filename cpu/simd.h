@@ -40,6 +40,27 @@ inline f32x16 vexp(f32x16 x) {
   return x < lo ? splat(0.f) : y;
 }
 
+// log(x) in fp32 for a vector of normal x > 0, a few ulp: x = 2^k y with y in [sqrt(1/2), sqrt(2)),
+// log y = 2 atanh(u) = 2 (u + u^3/3 + ... + u^9/9) with u = (y - 1) / (y + 1), |u| <= 0.172.
+inline f32x16 vlog(f32x16 x) {
+  i32x16 bits;
+  std::memcpy(&bits, &x, sizeof bits);
+  i32x16 k = ((bits >> 23) & 0xff) - 127;
+  i32x16 ybits = (bits & 0x007fffff) | 0x3f800000;  // y in [1, 2)
+  f32x16 y;
+  std::memcpy(&y, &ybits, sizeof y);
+  const i32x16 big = y > 1.41421356f;
+  y = big ? y * 0.5f : y;
+  k = big ? k + 1 : k;
+  const f32x16 u = (y - 1.f) / (y + 1.f), u2 = u * u;
+  f32x16 s = splat(1.f / 9.f);
+  s = s * u2 + 1.f / 7.f;
+  s = s * u2 + 1.f / 5.f;
+  s = s * u2 + 1.f / 3.f;
+  s = s * u2 + 1.f;
+  return 2.f * u * s + __builtin_convertvector(k, f32x16) * 0.693147180559945f;
+}
+
 inline f32x16 vmax(f32x16 a, f32x16 b) { return a > b ? a : b; }
 
 // ---- dtype conversion ------------------------------------------------------------------------

@@ -49,7 +49,7 @@ struct DlogitParams {
   int64_t real_vocab, ignore_index;
   const float* bias;            // raw only: of column 0, or null
   const int32_t* targets;       // per row (row 0 = this launch's first row), as are the next six
-  const float *temperature, *lse, *ent, *g, *e;  // ent, e may be null
+  const float *temperature, *m, *log_s, *ent, *g, *e;  // ent, e may be null
   float* dtemp;                 // per row, or null: sum_j dz z accumulates here over the pieces,
   bool dzz_add;                 // (pieces after the first add to it)
   bool dtemp_last;              // and the last piece turns it into dT = -inv_temp * sum
@@ -98,7 +98,7 @@ template <typename T> __device__ __forceinline__ void store_cols(T* r, int64_t c
 // One block per row. A thread reads its columns before writing them, so dlog may alias z; no
 // __restrict__ on these two. The pass is one load and one store per element, but its arithmetic
 // per element is close to that: the checks go per vector (only the row's last vectors hold
-// padding), the target is one small-int compare, and p = __expf(z - lse) (ex2.approx, a few ulp:
+// padding), the target is one small-int compare, and p = __expf(zm - log_s) (ex2.approx, a few ulp:
 // the result is rounded to 16 bits; the sm90 epilogue's form). Four vectors in flight per thread
 // instead of one gained nothing (same-machine A/B, 2026-11-30: fast T3 10.70 vs 10.52 ms).
 template <typename ZT, typename T>
@@ -108,7 +108,7 @@ __global__ void __launch_bounds__(kRowThreads) dlogit_kernel(DlogitParams q) {
   const int64_t t = q.targets[row];
   const bool active = classify_target(t, q.real_vocab, q.ignore_index) == TargetKind::kValid;
   const float it = reciprocal(q.temperature[row]);
-  const float lse = active ? q.lse[row] : 0.f, g = active ? q.g[row] : 0.f;
+  const float m = active ? q.m[row] : 0.f, log_s = active ? q.log_s[row] : 0.f, g = active ? q.g[row] : 0.f;
   const float ent = active && q.ent ? q.ent[row] : 0.f, e = active && q.e ? q.e[row] : 0.f;
   const ZT* zr = static_cast<const ZT*>(q.z) + row * q.ldz;
   T* dr = static_cast<T*>(q.dlog) + row * q.ldd;
@@ -127,7 +127,8 @@ __global__ void __launch_bounds__(kRowThreads) dlogit_kernel(DlogitParams q) {
       float z = x[k];
       if (q.raw) z = (z + (q.bias && c0 + k < q.cols ? q.bias[c0 + k] : 0.f)) * it;
       const bool live = k < nlive && z > -INFINITY;  // (-inf: a logit masked by the bias)
-      const float dz = live ? dz_of(z, __expf(z - lse), k == kt, lse, ent, g, e) : 0.f;
+      const float zm = z - m;
+      const float dz = live ? dz_of(zm, __expf(zm - log_s), k == kt, log_s, ent, g, e) : 0.f;
       if (live) dzz = fmaf(dz, z, dzz);
       x[k] = dz * it;
     }
@@ -174,7 +175,8 @@ DlogitParams row_params(const Problem& p, const BwdArgs& a, int64_t r0) {
   q.ignore_index = p.ignore_index;
   q.targets = a.targets + r0;
   q.temperature = a.temperature + r0;
-  q.lse = a.lse + r0;
+  q.m = a.m + r0;
+  q.log_s = a.log_s + r0;
   q.g = a.g + r0;
   q.ent = p.with_entropy && a.entropy ? a.entropy + r0 : nullptr;
   q.e = p.with_entropy && a.e ? a.e + r0 : nullptr;
@@ -200,7 +202,7 @@ Status launch_colsum(const void* dlog, int64_t ldd, int64_t rows, int64_t cols, 
 // ---- fast ---------------------------------------------------------------------------------------
 template <typename T>
 Status backward_fast(const Problem& p, const BwdArgs& a, Workspace ws, cudaStream_t st) {
-  using ZT = std::conditional_t<sizeof(T) == 4, float, __half>;  // logits_dtype
+  using ZT = std::conditional_t<sizeof(T) == 4, float, __half>;  // kept_dtype
   DlogitParams q = row_params(p, a, 0);
   q.z = a.logits; q.ldz = p.v;
   q.dlog = a.logits; q.ldd = p.v;
@@ -472,7 +474,7 @@ Status lean_tile(const Problem& p, const BwdArgs& a, const LeanLayout& L, const 
     b.hidden = static_cast<const unsigned char*>(a.hidden) + r0 * p.h * eb;
     b.weight = static_cast<const unsigned char*>(a.weight) + pc.c * p.h * eb;
     b.bias = p.has_bias ? a.bias + pc.c : nullptr;
-    b.targets = a.targets + r0; b.temperature = a.temperature + r0; b.lse = a.lse + r0; b.g = a.g + r0;
+    b.targets = a.targets + r0; b.temperature = a.temperature + r0; b.m = a.m + r0; b.log_s = a.log_s + r0; b.g = a.g + r0;
     if (p.with_entropy && a.e) { b.entropy = a.entropy + r0; b.e = a.e + r0; }
     float* dzz = a.dtemp && !dh_only ? t.dzz : nullptr;
     if (Status s = detail::sm90_dlogit(q, b, rn, t.dlog, pc.w, dzz, st)) return s;

@@ -65,7 +65,7 @@ __device__ __forceinline__ float warp_sum(float x) {
 
 template <typename T> const T* cptr(const void* p) { return static_cast<const T*>(p); }
 
-// Kept logits (FwdArgs::logits): logits_dtype of T, clamped to +-kMaxKeptLogit.
+// Kept logits (FwdArgs::logits): kept_dtype of T, clamped to +-kMaxKeptLogit.
 template <typename T> using Kept = std::conditional_t<sizeof(T) == 4, float, __half>;
 template <typename T> __device__ __forceinline__ Kept<T> kept_of(float z) {
   return from_f<Kept<T>>(fminf(fmaxf(z, -kMaxKeptLogit), kMaxKeptLogit));
@@ -124,10 +124,10 @@ __global__ void __launch_bounds__(kThreads) fwd_split_kernel(
           if (t0 + lane * 4 + e < col_end) kept[row * v + t0 + lane * 4 + e] = kept_of<T>(z[e]);
       mx = warp_max(mx);
       float s = 0.f, a = 0.f;
-      if (mx > -INFINITY) {
+      if (!(mx == -INFINITY)) {  // NaN logits (and a NaN max) make the sums NaN
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          if (z[e] > -INFINITY) {
+          if (!(z[e] == -INFINITY)) {
             const float d = z[e] - mx, ex = expf(d);
             s += ex;
             a += ex * d;
@@ -196,8 +196,9 @@ __global__ void combine_kernel(CombineArgs a) {
   const RowResult r = combine_row(a.stats + i * a.k * kStatWidth, a.k, a.target_logit[i], a.targets[i],
                                   a.real_vocab, a.ignore_index);
   if (a.logp) a.logp[i] = r.logp;
-  if (a.lse) a.lse[i] = r.lse;
   if (a.entropy) a.entropy[i] = r.entropy;
+  if (a.m) a.m[i] = r.m;
+  if (a.log_s) a.log_s[i] = r.log_s;
 }
 
 template <typename K> cudaError_t set_smem(K kernel, size_t bytes) {

@@ -23,6 +23,13 @@ struct Workspace {
 Backend forward_backend(const Problem& p);
 
 size_t forward_workspace_bytes(const Problem& p);
+
+// The CUDA backend's kept buffer (FwdArgs::logits, BwdArgs::logits): z [n, v] in kept_dtype,
+// clamped to +-kMaxKeptLogit. (Not yet the CPU backend's max-relative record: that one is
+// validated on the CPU only.)
+inline DType kept_dtype(DType t) { return t == DType::kF32 ? DType::kF32 : DType::kF16; }
+constexpr float kMaxKeptLogit = 65504.f;
+inline size_t kept_bytes(const Problem& p) { return size_t(p.n) * size_t(p.v) * dtype_bytes(kept_dtype(p.dtype)); }
 // `fast`: the backward reads kept logits (BwdArgs::logits); else it recomputes them (lean: all of
 // its extra memory is this workspace, at most 256 MiB for any n and v and h up to 32768, see
 // linear_logp_bwd.cu). `dhidden_dtype`: BwdArgs::dhidden_dtype. The lean layout also depends on

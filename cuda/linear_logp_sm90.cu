@@ -162,7 +162,7 @@ struct Params {
 // in Params, these 48 bytes made ptxas spill in the forward kernels.
 struct GradRows {
   const int32_t* targets;
-  const float *lse, *ent, *g, *e;  // ent, e may be null (no entropy term)
+  const float *m, *log_s, *ent, *g, *e;  // ent, e may be null (no entropy term)
   int64_t ignore_index;
 };
 struct NoGradRows {};
@@ -313,7 +313,7 @@ __device__ __forceinline__ void fold_stats(const float* d, float (&mx)[2], float
     a[r] += __shfl_xor_sync(0xffffffffu, a[r], 1);
     s[r] += __shfl_xor_sync(0xffffffffu, s[r], 2);
     a[r] += __shfl_xor_sync(0xffffffffu, a[r], 2);
-    if (mx[r] > -INFINITY) stats_merge(mx[r] * kLn2, s[r], a[r] * kLn2, run[r][0], run[r][1], run[r][2]);
+    if (!(mx[r] == -INFINITY)) stats_merge(mx[r] * kLn2, s[r], a[r] * kLn2, run[r][0], run[r][1], run[r][2]);
   }
 }
 
@@ -331,7 +331,7 @@ __device__ __forceinline__ RowGrad row_grad(const Params& P, const GradRows& G, 
   r.it = reciprocal(P.temperature[row]);
   r.target = G.targets[row];
   if (classify_target(r.target, P.real_vocab, G.ignore_index) != TargetKind::kValid) return r;
-  const float lse = G.lse[row];
+  const float lse = G.m[row] + G.log_s[row];
   r.lse2 = lse * kLog2e;
   r.g = G.g[row];
   if (G.e) { r.e = G.e[row]; r.c = lse - G.ent[row]; }
@@ -618,7 +618,7 @@ const char* sm90_dlogit(const Problem& p, const BwdArgs& a, int64_t rows, void* 
   if (const char* e = setup(p, a.hidden, rows, a.weight, a.bias, a.temperature, kDlogitSplitCols, &ma, &mb, &P)) return e;
   P.part = dzz;
   set_out(&P, &mo, map_type(p), dlog, p.v, ldd, p.chunk);
-  GradRows G{a.targets, a.lse, nullptr, a.g, nullptr, p.ignore_index};
+  GradRows G{a.targets, a.m, a.log_s, nullptr, a.g, nullptr, p.ignore_index};
   if (p.with_entropy && a.e) { G.ent = a.entropy; G.e = a.e; }
   return launch<Epi::kDlogit>(p.dtype == DType::kBF16, ma, mb, mo, P, G, P.row_tiles * P.nsplit, stream);
 }

@@ -31,6 +31,7 @@ Status cpu_guarded(Call&& call) {
 
 // Counted after the kernel ran and succeeded: a call its checks reject is not counted.
 struct CpuExec {
+  size_t kept_bytes(const Problem& p) const { return cpu::kept_bytes(p); }
   Status forward(const Problem& p, const FwdArgs& a) {
     const Status s = cpu_guarded([&] { return cpu::forward(p, a); });
     if (!s) count_call(Backend::kCpu, false, p.n);
@@ -51,6 +52,8 @@ struct CpuExec {
 struct CudaExec {
   cudaStream_t stream;
   cuda::Workspace ws;
+
+  size_t kept_bytes(const Problem& p) const { return cuda::kept_bytes(p); }
 
   Status forward(const Problem& p, const FwdArgs& a) {
     Backend ran = Backend::kCudaPortable;

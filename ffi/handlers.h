@@ -198,10 +198,10 @@ inline ffi::Error check_forward(ffi::AnyBuffer hidden, ffi::AnyBuffer weight, ff
                                expect("target_logit", *target_logit, DT::F32, {s.n}, true)});
 }
 
-// combine: stats [n, k, kStatWidth] f32, target_logit [n] f32, targets [n] s32 -> 3 x [n] f32.
+// combine: stats [n, k, kStatWidth] f32, target_logit [n] f32, targets [n] s32 -> 4 x [n] f32.
 inline ffi::Error check_combine(ffi::AnyBuffer stats, ffi::AnyBuffer target_logit, ffi::AnyBuffer targets,
-                                ffi::Result<ffi::AnyBuffer>& logp, ffi::Result<ffi::AnyBuffer>& lse,
-                                ffi::Result<ffi::AnyBuffer>& entropy) {
+                                ffi::Result<ffi::AnyBuffer>& logp, ffi::Result<ffi::AnyBuffer>& entropy,
+                                ffi::Result<ffi::AnyBuffer>& m, ffi::Result<ffi::AnyBuffer>& log_s) {
   std::vector<int64_t> batch;
   if (auto e = batch_of("logp", *logp, 1, &batch); e.failure()) return e;
   auto sd = stats.dimensions();
@@ -211,15 +211,17 @@ inline ffi::Error check_combine(ffi::AnyBuffer stats, ffi::AnyBuffer target_logi
   return check_buffers(batch, {expect("stats", stats, DT::F32, {n, k, kStatWidth}),
                                expect("target_logit", target_logit, DT::F32, {n}),
                                expect("targets", targets, DT::S32, {n}),
-                               expect("logp", *logp, DT::F32, {n}, true), expect("lse", *lse, DT::F32, {n}, true),
-                               expect("entropy", *entropy, DT::F32, {n}, true)});
+                               expect("logp", *logp, DT::F32, {n}, true),
+                               expect("entropy", *entropy, DT::F32, {n}, true), expect("m", *m, DT::F32, {n}, true),
+                               expect("log_s", *log_s, DT::F32, {n}, true)});
 }
 
-// backward: lse, g [n] f32; entropy, e [n] f32 with entropy, else anything; results dhidden
+// backward: m, log_s, g [n] f32; entropy, e [n] f32 with entropy, else anything; results dhidden
 // [n, h] (f32 or the operand dtype), dweight [v, h] operand dtype, dbias [v] f32 with a bias else
 // [0], dtemp [n] f32. (The kept logits, when present, are checked by backward itself.)
 inline ffi::Error check_backward(ffi::AnyBuffer hidden, ffi::AnyBuffer weight, ffi::AnyBuffer bias, ffi::AnyBuffer targets,
-                                 ffi::AnyBuffer temperature, ffi::AnyBuffer lse, ffi::AnyBuffer entropy, ffi::AnyBuffer g,
+                                 ffi::AnyBuffer temperature, ffi::AnyBuffer m, ffi::AnyBuffer log_s,
+                                 ffi::AnyBuffer entropy, ffi::AnyBuffer g,
                                  ffi::AnyBuffer e, ffi::Result<ffi::AnyBuffer>& dhidden,
                                  ffi::Result<ffi::AnyBuffer>& dweight, ffi::Result<ffi::AnyBuffer>& dbias,
                                  ffi::Result<ffi::AnyBuffer>& dtemp, int64_t chunk, int64_t has_bias,
@@ -239,7 +241,8 @@ inline ffi::Error check_backward(ffi::AnyBuffer hidden, ffi::AnyBuffer weight, f
                                has_bias ? expect("bias", bias, DT::F32, {s.v}) : expect("bias", bias, bias.element_type(), {kAny}),
                                expect("targets", targets, DT::S32, {s.n}),
                                expect("temperature", temperature, DT::F32, {s.n}),
-                               expect("lse", lse, DT::F32, {s.n}), optional_row("entropy", entropy),
+                               expect("m", m, DT::F32, {s.n}), expect("log_s", log_s, DT::F32, {s.n}),
+                               optional_row("entropy", entropy),
                                expect("g", g, DT::F32, {s.n}), optional_row("e", e),
                                expect("dhidden", *dhidden, dh_want, {s.n, s.h}, true),
                                expect("dweight", *dweight, s.dtype, {s.v, s.h}, true),
@@ -281,11 +284,14 @@ inline ffi::Error make_problem(const Inputs& in, ffi::DataType ht, ffi::DataType
   return ffi::Error::Success();
 }
 
-inline bool is_logits_of(const View& v, const Problem& p) {
-  return v.core[0] == p.n && v.core[1] == p.v && v.elem_bytes == dtype_bytes(logits_dtype(p.dtype));
+// The kept buffer: bytes (any dtype) of one batch item, at least the executor's kept_bytes (a
+// frontend that does not know the platform at trace time may give more).
+template <class Exec>
+bool is_kept_of(const View& v, const Problem& p, const Exec& ex) {
+  return int64_t(v.core_elems() * v.elem_bytes) >= int64_t(ex.kept_bytes(p));
 }
 
-// forward: (hidden, weight, bias, targets, temperature) -> (stats, target_logit[, kept logits])
+// forward: (hidden, weight, bias, targets, temperature) -> (stats, target_logit[, kept bytes])
 template <class Exec>
 ffi::Error forward(Exec& ex, ffi::AnyBuffer hidden, ffi::AnyBuffer weight, ffi::AnyBuffer bias,
                    ffi::AnyBuffer targets, ffi::AnyBuffer temperature, ffi::Result<ffi::AnyBuffer> stats,
@@ -302,7 +308,8 @@ ffi::Error forward(Exec& ex, ffi::AnyBuffer hidden, ffi::AnyBuffer weight, ffi::
   const Batch batch(st.lead);
   for (const View* v : std::initializer_list<const View*>{&in.hidden, &in.weight, &in.bias, &in.targets, &in.temperature})
     if (!batch.fits(*v)) return invalid("unsupported batching of the operands");
-  if (kept && (!batch.full(*kept) || !is_logits_of(*kept, p))) return invalid("kept logits must be [n, v] of logits_dtype");
+  if (kept && (!batch.full(*kept) || !is_kept_of(*kept, p, ex)))
+    return invalid("the kept buffer must hold kept_bytes(problem) bytes per batch item");
   // Rows are independent: with one shared weight and every row operand batched alike, the batch
   // folds into the rows (the same bits as a loop, since results are batch invariant).
   const bool fold = batch.single(in.weight) && batch.single(in.bias) && batch.full(in.hidden) &&
@@ -324,14 +331,15 @@ ffi::Error forward(Exec& ex, ffi::AnyBuffer hidden, ffi::AnyBuffer weight, ffi::
   return ffi::Error::Success();
 }
 
-// combine: (stats, target_logit, targets) -> (logp, lse, entropy)
+// combine: (stats, target_logit, targets) -> (logp, entropy, m, log_s)
 template <class Exec>
 ffi::Error combine(Exec& ex, ffi::AnyBuffer stats, ffi::AnyBuffer target_logit, ffi::AnyBuffer targets,
-                   ffi::Result<ffi::AnyBuffer> logp, ffi::Result<ffi::AnyBuffer> lse,
-                   ffi::Result<ffi::AnyBuffer> entropy, int64_t real_vocab, int64_t ignore_index) {
-  if (auto e = check_combine(stats, target_logit, targets, logp, lse, entropy); e.failure()) return e;
+                   ffi::Result<ffi::AnyBuffer> logp, ffi::Result<ffi::AnyBuffer> entropy,
+                   ffi::Result<ffi::AnyBuffer> m, ffi::Result<ffi::AnyBuffer> log_s, int64_t real_vocab,
+                   int64_t ignore_index) {
+  if (auto e = check_combine(stats, target_logit, targets, logp, entropy, m, log_s); e.failure()) return e;
   const View st = view(stats, 3), tl = view(target_logit, 1), tg = view(targets, 1);
-  const View lp = view(*logp, 1), ls = view(*lse, 1), en = view(*entropy, 1);
+  const View lp = view(*logp, 1), en = view(*entropy, 1), vm = view(*m, 1), vls = view(*log_s, 1);
   const Batch batch(lp.lead);
   for (const View* v : std::initializer_list<const View*>{&st, &tl, &tg})
     if (!batch.fits(*v)) return invalid("unsupported batching of the operands");
@@ -346,23 +354,25 @@ ffi::Error combine(Exec& ex, ffi::AnyBuffer stats, ffi::AnyBuffer target_logit, 
     a.target_logit = batch.at<const float>(tl, b);
     a.targets = batch.at<const int32_t>(tg, b);
     a.logp = batch.at<float>(lp, b);
-    a.lse = batch.at<float>(ls, b);
     a.entropy = batch.at<float>(en, b);
+    a.m = batch.at<float>(vm, b);
+    a.log_s = batch.at<float>(vls, b);
     if (auto e = from_status(ex.combine(a)); e.failure()) return e;
   }
   return ffi::Error::Success();
 }
 
-// backward: (hidden, weight, bias, targets, temperature, lse, entropy, g, e[, kept logits])
-//        -> (dhidden f32 or dtype, dweight, dbias f32, dtemp f32). The fast variant's kept logits come as a
-//        result aliased to the operand (the backend may overwrite them), hence a View here.
+// backward: (hidden, weight, bias, targets, temperature, m, log_s, entropy, g, e[, kept bytes])
+//        -> (dhidden f32 or dtype, dweight, dbias f32, dtemp f32). The fast variant's kept buffer comes as a
+//        result aliased to the operand (the backend may overwrite it), hence a View here.
 template <class Exec>
 ffi::Error backward(Exec& ex, ffi::AnyBuffer hidden, ffi::AnyBuffer weight, ffi::AnyBuffer bias,
-                    ffi::AnyBuffer targets, ffi::AnyBuffer temperature, ffi::AnyBuffer lse, ffi::AnyBuffer entropy,
+                    ffi::AnyBuffer targets, ffi::AnyBuffer temperature, ffi::AnyBuffer m, ffi::AnyBuffer log_s,
+                    ffi::AnyBuffer entropy,
                     ffi::AnyBuffer g, ffi::AnyBuffer e, std::optional<View> kept, ffi::Result<ffi::AnyBuffer> dhidden,
                     ffi::Result<ffi::AnyBuffer> dweight, ffi::Result<ffi::AnyBuffer> dbias,
                     ffi::Result<ffi::AnyBuffer> dtemp, const Attrs& at) {
-  if (auto err = check_backward(hidden, weight, bias, targets, temperature, lse, entropy, g, e, dhidden, dweight, dbias,
+  if (auto err = check_backward(hidden, weight, bias, targets, temperature, m, log_s, entropy, g, e, dhidden, dweight, dbias,
                                 dtemp, at.chunk, at.has_bias, at.with_entropy);
       err.failure())
     return err;
@@ -371,14 +381,15 @@ ffi::Error backward(Exec& ex, ffi::AnyBuffer hidden, ffi::AnyBuffer weight, ffi:
   if (auto err = make_problem(in, hidden.element_type(), weight.element_type(), bias.element_type(), at, &p);
       err.failure())
     return err;
-  const View vl = view(lse, 1), ve = view(entropy, 1), vg = view(g, 1), vee = view(e, 1);
+  const View vm = view(m, 1), vls = view(log_s, 1), ve = view(entropy, 1), vg = view(g, 1), vee = view(e, 1);
   const View dh = view(*dhidden, 2), dw = view(*dweight, 2), db = view(*dbias, 1), dt = view(*dtemp, 1);
   DType dh_dtype;  // which of f32 and the operand dtype: the backend checks
   if (!to_dtype(dhidden->element_type(), &dh_dtype)) return invalid("dhidden must be float32 or the dtype of hidden");
   const Batch batch(dh.lead);
-  for (const View* v : std::initializer_list<const View*>{&in.hidden, &in.weight, &in.bias, &in.targets, &in.temperature, &vl, &ve, &vg, &vee})
+  for (const View* v : std::initializer_list<const View*>{&in.hidden, &in.weight, &in.bias, &in.targets, &in.temperature, &vm, &vls, &ve, &vg, &vee})
     if (!batch.fits(*v)) return invalid("unsupported batching of the operands");
-  if (kept && (!batch.full(*kept) || !is_logits_of(*kept, p))) return invalid("kept logits must be [n, v] of logits_dtype");
+  if (kept && (!batch.full(*kept) || !is_kept_of(*kept, p, ex)))
+    return invalid("the kept buffer must hold kept_bytes(problem) bytes per batch item");
   for (int64_t b = 0; b < batch.count; ++b) {
     BwdArgs a;
     a.hidden = batch.at(in.hidden, b);
@@ -386,7 +397,8 @@ ffi::Error backward(Exec& ex, ffi::AnyBuffer hidden, ffi::AnyBuffer weight, ffi:
     a.bias = p.has_bias ? batch.at<const float>(in.bias, b) : nullptr;
     a.targets = batch.at<const int32_t>(in.targets, b);
     a.temperature = batch.at<const float>(in.temperature, b);
-    a.lse = batch.at<const float>(vl, b);
+    a.m = batch.at<const float>(vm, b);
+    a.log_s = batch.at<const float>(vls, b);
     a.entropy = p.with_entropy ? batch.at<const float>(ve, b) : nullptr;
     a.g = batch.at<const float>(vg, b);
     a.e = p.with_entropy ? batch.at<const float>(vee, b) : nullptr;

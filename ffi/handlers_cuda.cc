@@ -25,32 +25,33 @@ ffi::Error ForwardKeepCuda(cudaStream_t stream, ffi::AnyBuffer hidden, ffi::AnyB
                            ffi::Result<ffi::AnyBuffer> workspace, int64_t vocab_start, int64_t real_vocab,
                            int64_t chunk, int64_t ignore_index, int64_t has_bias, int64_t with_entropy) {
   CudaExec ex{stream, workspace_of(workspace)};
-  return forward(ex, hidden, weight, bias, targets, temperature, stats, target_logit, view(*kept, 2),
+  return forward(ex, hidden, weight, bias, targets, temperature, stats, target_logit, view(*kept, 1),
                  {vocab_start, real_vocab, chunk, ignore_index, has_bias, with_entropy});
 }
 
 ffi::Error CombineCuda(cudaStream_t stream, ffi::AnyBuffer stats, ffi::AnyBuffer target_logit,
-                       ffi::AnyBuffer targets, ffi::Result<ffi::AnyBuffer> logp, ffi::Result<ffi::AnyBuffer> lse,
-                       ffi::Result<ffi::AnyBuffer> entropy, int64_t real_vocab, int64_t ignore_index) {
+                       ffi::AnyBuffer targets, ffi::Result<ffi::AnyBuffer> logp, ffi::Result<ffi::AnyBuffer> entropy,
+                       ffi::Result<ffi::AnyBuffer> m, ffi::Result<ffi::AnyBuffer> log_s, int64_t real_vocab,
+                       int64_t ignore_index) {
   CudaExec ex{stream, {}};
-  return combine(ex, stats, target_logit, targets, logp, lse, entropy, real_vocab, ignore_index);
+  return combine(ex, stats, target_logit, targets, logp, entropy, m, log_s, real_vocab, ignore_index);
 }
 
 ffi::Error BackwardCuda(cudaStream_t stream, ffi::AnyBuffer hidden, ffi::AnyBuffer weight, ffi::AnyBuffer bias,
-                        ffi::AnyBuffer targets, ffi::AnyBuffer temperature, ffi::AnyBuffer lse, ffi::AnyBuffer entropy,
+                        ffi::AnyBuffer targets, ffi::AnyBuffer temperature, ffi::AnyBuffer m, ffi::AnyBuffer log_s, ffi::AnyBuffer entropy,
                         ffi::AnyBuffer g, ffi::AnyBuffer e, ffi::Result<ffi::AnyBuffer> dhidden,
                         ffi::Result<ffi::AnyBuffer> dweight, ffi::Result<ffi::AnyBuffer> dbias,
                         ffi::Result<ffi::AnyBuffer> dtemp, ffi::Result<ffi::AnyBuffer> workspace, int64_t vocab_start,
                         int64_t real_vocab, int64_t chunk, int64_t ignore_index, int64_t has_bias,
                         int64_t with_entropy) {
   CudaExec ex{stream, workspace_of(workspace)};
-  return backward(ex, hidden, weight, bias, targets, temperature, lse, entropy, g, e, std::nullopt, dhidden, dweight,
+  return backward(ex, hidden, weight, bias, targets, temperature, m, log_s, entropy, g, e, std::nullopt, dhidden, dweight,
                   dbias, dtemp, {vocab_start, real_vocab, chunk, ignore_index, has_bias, with_entropy});
 }
 
 // kept_in and kept_out are one buffer (aliased by the caller): dlogit overwrites it.
 ffi::Error BackwardFastCuda(cudaStream_t stream, ffi::AnyBuffer hidden, ffi::AnyBuffer weight, ffi::AnyBuffer bias,
-                            ffi::AnyBuffer targets, ffi::AnyBuffer temperature, ffi::AnyBuffer lse, ffi::AnyBuffer entropy,
+                            ffi::AnyBuffer targets, ffi::AnyBuffer temperature, ffi::AnyBuffer m, ffi::AnyBuffer log_s, ffi::AnyBuffer entropy,
                             ffi::AnyBuffer g, ffi::AnyBuffer e, ffi::AnyBuffer /*kept_in*/,
                             ffi::Result<ffi::AnyBuffer> dhidden, ffi::Result<ffi::AnyBuffer> dweight,
                             ffi::Result<ffi::AnyBuffer> dbias, ffi::Result<ffi::AnyBuffer> dtemp,
@@ -58,7 +59,7 @@ ffi::Error BackwardFastCuda(cudaStream_t stream, ffi::AnyBuffer hidden, ffi::Any
                             int64_t vocab_start, int64_t real_vocab, int64_t chunk, int64_t ignore_index,
                             int64_t has_bias, int64_t with_entropy) {
   CudaExec ex{stream, workspace_of(workspace)};
-  return backward(ex, hidden, weight, bias, targets, temperature, lse, entropy, g, e, view(*kept_out, 2), dhidden,
+  return backward(ex, hidden, weight, bias, targets, temperature, m, log_s, entropy, g, e, view(*kept_out, 1), dhidden,
                   dweight, dbias, dtemp, {vocab_start, real_vocab, chunk, ignore_index, has_bias, with_entropy});
 }
 
@@ -82,13 +83,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(RlkCombineCuda, rlk::ffi_handlers::CombineCuda,
                                   .Ctx<Stream>()
                                   .Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
                                   .Attr<int64_t>("real_vocab").Attr<int64_t>("ignore_index"),
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(RlkBackwardCuda, rlk::ffi_handlers::BackwardCuda,
                               ffi::Ffi::Bind()
                                   .Ctx<Stream>()
-                                  .Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>()
@@ -107,7 +109,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(RlkForwardKeepCuda, rlk::ffi_handlers::ForwardKeep
 XLA_FFI_DEFINE_HANDLER_SYMBOL(RlkBackwardFastCuda, rlk::ffi_handlers::BackwardFastCuda,
                               ffi::Ffi::Bind()
                                   .Ctx<Stream>()
-                                  .Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()

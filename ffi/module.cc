@@ -141,19 +141,28 @@ void run_on(int device, const std::optional<Array>& workspace, uintptr_t stream,
 #endif
 }
 
-// Kept logits: [n, v] of logits_dtype on the call's device.
+// The kept buffer's bytes on a device (nb::device::cpu or cuda) for this problem.
+size_t kept_bytes_on(int device, const rlk::Problem& p) {
+  if (device == nb::device::cpu::value) return rlk::cpu::kept_bytes(p);
+#if RLK_HAVE_CUDA
+  return rlk::cuda::kept_bytes(p);
+#else
+  throw std::invalid_argument("rlk: this build has no CUDA backend");
+#endif
+}
+
+// The kept buffer: uint8 [kept_bytes] on the call's device.
 void* kept_of(const std::optional<Array>& logits, const Call& c) {
   if (!logits) return nullptr;
-  const nb::dlpack::dtype f16{uint8_t(nb::dlpack::dtype_code::Float), 16, 1};
-  const nb::dlpack::dtype want = logits_dtype(c.p.dtype) == rlk::DType::kF32 ? nb::dtype<float>() : f16;
-  expect(*logits, want, {c.p.n, c.p.v}, c.device, "logits (float16; float32 for float32 operands)");
+  expect(*logits, nb::dtype<uint8_t>(), {int64_t(kept_bytes_on(c.device, c.p))}, c.device,
+         "logits (the kept buffer: uint8 [kept_bytes])");
   return logits->data();
 }
 
-// The combine of `stats` [n, k, kStatWidth] into logp, lse and entropy [n] (all f32 on `device`).
+// The combine of `stats` [n, k, kStatWidth] into logp, entropy, m and log_s [n] (all f32 on `device`).
 rlk::CombineArgs combine_args(const Array& stats, const Array& target_logit, const Array& targets, const Array& logp,
-                              const Array& lse, const Array& entropy, int64_t real_vocab, int64_t ignore_index,
-                              int device) {
+                              const Array& entropy, const Array& m, const Array& log_s, int64_t real_vocab,
+                              int64_t ignore_index, int device) {
   if (stats.ndim() != 3 || stats.shape(2) != size_t(rlk::kStatWidth))
     throw std::invalid_argument("rlk: stats must be [n, chunks, 3]");
   rlk::CombineArgs a;
@@ -162,32 +171,34 @@ rlk::CombineArgs combine_args(const Array& stats, const Array& target_logit, con
   expect(stats, nb::dtype<float>(), {a.n, a.k, rlk::kStatWidth}, device, "stats");
   expect(target_logit, nb::dtype<float>(), {a.n}, device, "target_logit");
   expect(targets, nb::dtype<int32_t>(), {a.n}, device, "targets");
-  for (const Array* o : {&logp, &lse, &entropy}) expect(*o, nb::dtype<float>(), {a.n}, device, "combine output");
+  for (const Array* o : {&logp, &entropy, &m, &log_s}) expect(*o, nb::dtype<float>(), {a.n}, device, "combine output");
   a.real_vocab = real_vocab;
   a.ignore_index = ignore_index;
   a.stats = static_cast<const float*>(stats.data());
   a.target_logit = static_cast<const float*>(target_logit.data());
   a.targets = static_cast<const int32_t*>(targets.data());
   a.logp = static_cast<float*>(logp.data());
-  a.lse = static_cast<float*>(lse.data());
   a.entropy = static_cast<float*>(entropy.data());
+  a.m = static_cast<float*>(m.data());
+  a.log_s = static_cast<float*>(log_s.data());
   return a;
 }
 
-// The forward statistics and, when logp, lse and entropy are given (a call over the whole vocab),
+// The forward statistics and, when logp, entropy, m and log_s are given (a call over the whole vocab),
 // their combine in the same call: one entry point per single-shard forward keeps the host's share
 // of a small call low.
 void dl_forward(Array hidden, Array weight, std::optional<Array> bias, Array targets, Array temperature, Array stats,
                 Array target_logit, std::optional<Array> logits, std::optional<Array> workspace, int64_t vocab_start,
                 int64_t real_vocab, int64_t chunk, int64_t ignore_index, bool with_entropy, uintptr_t stream,
-                std::optional<Array> logp, std::optional<Array> lse, std::optional<Array> entropy) {
+                std::optional<Array> logp, std::optional<Array> entropy, std::optional<Array> m,
+                std::optional<Array> log_s) {
   const Call c = make_call(hidden, weight, bias, targets, temperature, vocab_start, real_vocab, chunk, ignore_index,
                            with_entropy);
   expect(stats, nb::dtype<float>(), {c.p.n, rlk::num_chunks(c.p), rlk::kStatWidth}, c.device, "stats");
   expect(target_logit, nb::dtype<float>(), {c.p.n}, c.device, "target_logit");
   const bool combine = logp.has_value();
-  if (combine != lse.has_value() || combine != entropy.has_value())
-    throw std::invalid_argument("rlk: logp, lse and entropy come together");
+  if (combine != entropy.has_value() || combine != m.has_value() || combine != log_s.has_value())
+    throw std::invalid_argument("rlk: logp, entropy, m and log_s come together");
   if (combine && (vocab_start != 0 || c.p.v < real_vocab))
     throw std::invalid_argument("rlk: the forward combines only a call over the whole vocab");
   rlk::FwdArgs a;
@@ -200,7 +211,8 @@ void dl_forward(Array hidden, Array weight, std::optional<Array> bias, Array tar
   a.target_logit = static_cast<float*>(target_logit.data());
   a.logits = kept_of(logits, c);
   const rlk::CombineArgs ca =
-      combine ? combine_args(stats, target_logit, targets, *logp, *lse, *entropy, real_vocab, ignore_index, c.device)
+      combine ? combine_args(stats, target_logit, targets, *logp, *entropy, *m, *log_s, real_vocab, ignore_index,
+                             c.device)
               : rlk::CombineArgs{};
   run_on(c.device, workspace, stream, [&](auto& ex) {
     if (rlk::Status s = ex.forward(c.p, a)) return s;
@@ -208,14 +220,15 @@ void dl_forward(Array hidden, Array weight, std::optional<Array> bias, Array tar
   });
 }
 
-void dl_combine(Array stats, Array target_logit, Array targets, Array logp, Array lse, Array entropy,
+void dl_combine(Array stats, Array target_logit, Array targets, Array logp, Array entropy, Array m, Array log_s,
                 int64_t real_vocab, int64_t ignore_index, uintptr_t stream) {
-  const rlk::CombineArgs a =
-      combine_args(stats, target_logit, targets, logp, lse, entropy, real_vocab, ignore_index, stats.device_type());
+  const rlk::CombineArgs a = combine_args(stats, target_logit, targets, logp, entropy, m, log_s, real_vocab,
+                                          ignore_index, stats.device_type());
   run_on(stats.device_type(), std::nullopt, stream, [&](auto& ex) { return ex.combine(a); });
 }
 
-void dl_backward(Array hidden, Array weight, std::optional<Array> bias, Array targets, Array temperature, Array lse,
+void dl_backward(Array hidden, Array weight, std::optional<Array> bias, Array targets, Array temperature, Array m,
+                 Array log_s,
                  std::optional<Array> entropy, Array g, std::optional<Array> e, std::optional<Array> logits,
                  Array dhidden, Array dweight,
                  std::optional<Array> dbias, Array dtemp, std::optional<Array> workspace, int64_t vocab_start,
@@ -224,7 +237,8 @@ void dl_backward(Array hidden, Array weight, std::optional<Array> bias, Array ta
   const Call c = make_call(hidden, weight, bias, targets, temperature, vocab_start, real_vocab, chunk, ignore_index,
                            with_entropy);
   const rlk::Problem& p = c.p;
-  expect(lse, nb::dtype<float>(), {p.n}, c.device, "lse");
+  expect(m, nb::dtype<float>(), {p.n}, c.device, "m");
+  expect(log_s, nb::dtype<float>(), {p.n}, c.device, "log_s");
   expect(g, nb::dtype<float>(), {p.n}, c.device, "g");
   if (with_entropy) {
     expect(*entropy, nb::dtype<float>(), {p.n}, c.device, "entropy");
@@ -242,7 +256,8 @@ void dl_backward(Array hidden, Array weight, std::optional<Array> bias, Array ta
   a.bias = bias ? static_cast<const float*>(bias->data()) : nullptr;
   a.targets = static_cast<const int32_t*>(targets.data());
   a.temperature = static_cast<const float*>(temperature.data());
-  a.lse = static_cast<const float*>(lse.data());
+  a.m = static_cast<const float*>(m.data());
+  a.log_s = static_cast<const float*>(log_s.data());
   a.entropy = with_entropy ? static_cast<const float*>(entropy->data()) : nullptr;
   a.g = static_cast<const float*>(g.data());
   a.e = with_entropy ? static_cast<const float*>(e->data()) : nullptr;
@@ -276,6 +291,18 @@ NB_MODULE(_rlk_core, m) {
 #endif
     return out;
   });
+
+  m.def("kept_bytes",
+        [](int64_t n, int64_t v, int64_t chunk, int dtype, const std::string& device) {
+          if (device != "cpu" && device != "cuda")
+            throw std::invalid_argument("rlk: kept_bytes device must be 'cpu' or 'cuda', got '" + device + "'");
+          if (chunk <= 0 || v % chunk != 0) throw std::invalid_argument("rlk: chunk must divide the local vocab");
+          const rlk::Problem p = shape_problem(n, 0, v, chunk, dtype, false, false);
+          return int64_t(kept_bytes_on(device == "cpu" ? nb::device::cpu::value : nb::device::cuda::value, p));
+        },
+        nb::arg("n"), nb::arg("v"), nb::arg("chunk"), nb::arg("dtype"), nb::arg("device"),
+        "Bytes of the fast backward's kept buffer (uint8) on device 'cpu' or 'cuda' for this problem shape:\n"
+        "each backend keeps what its backward reads, in its own layout.");
 
   m.def("cuda_workspace_bytes",
         [](int64_t n, int64_t h, int64_t v, int64_t chunk, int dtype, bool has_bias, bool with_entropy,
@@ -355,21 +382,24 @@ NB_MODULE(_rlk_core, m) {
         nb::arg("workspace").noconvert().none(),
         nb::arg("vocab_start"), nb::arg("real_vocab"), nb::arg("chunk"), nb::arg("ignore_index"),
         nb::arg("with_entropy"), nb::arg("stream"), nb::arg("logp").noconvert().none() = nb::none(),
-        nb::arg("lse").noconvert().none() = nb::none(), nb::arg("entropy").noconvert().none() = nb::none(),
+        nb::arg("entropy").noconvert().none() = nb::none(), nb::arg("m").noconvert().none() = nb::none(),
+        nb::arg("log_s").noconvert().none() = nb::none(),
         "Forward statistics into caller-allocated stats [n, v/chunk, 3] and target_logit [n], and the kept\n"
-        "logits [n, v] (float16; float32 for float32 operands) when `logits` is given (DLPack). With logp,\n"
-        "lse and entropy [n] f32 (a call over the whole vocab) also their combine, as `combine` would.");
+        "buffer (uint8 [kept_bytes]) when `logits` is given (DLPack). With logp, entropy, m and log_s [n]\n"
+        "f32 (a call over the whole vocab) also their combine, as `combine` would.");
   m.def("combine", &dl_combine, nb::arg("stats").noconvert(), nb::arg("target_logit").noconvert(),
-        nb::arg("targets").noconvert(), nb::arg("logp").noconvert(), nb::arg("lse").noconvert(),
-        nb::arg("entropy").noconvert(), nb::arg("real_vocab"), nb::arg("ignore_index"), nb::arg("stream"),
-        "Combine all chunks' statistics into logp, lse, entropy (DLPack).");
+        nb::arg("targets").noconvert(), nb::arg("logp").noconvert(), nb::arg("entropy").noconvert(),
+        nb::arg("m").noconvert(), nb::arg("log_s").noconvert(), nb::arg("real_vocab"), nb::arg("ignore_index"),
+        nb::arg("stream"),
+        "Combine all chunks' statistics into logp, entropy and the row's m and log_s (lse = m + log_s) (DLPack).");
   m.def("backward", &dl_backward, nb::arg("hidden").noconvert(), nb::arg("weight").noconvert(),
         nb::arg("bias").noconvert().none(), nb::arg("targets").noconvert(), nb::arg("temperature").noconvert(),
-        nb::arg("lse").noconvert(), nb::arg("entropy").noconvert().none(), nb::arg("g").noconvert(),
+        nb::arg("m").noconvert(), nb::arg("log_s").noconvert(), nb::arg("entropy").noconvert().none(),
+        nb::arg("g").noconvert(),
         nb::arg("e").noconvert().none(), nb::arg("logits").noconvert().none(), nb::arg("dhidden").noconvert(), nb::arg("dweight").noconvert(),
         nb::arg("dbias").noconvert().none(), nb::arg("dtemp").noconvert(), nb::arg("workspace").noconvert().none(),
         nb::arg("vocab_start"), nb::arg("real_vocab"), nb::arg("chunk"), nb::arg("ignore_index"), nb::arg("stream"),
         "Backward into caller-allocated dhidden (float32, or the dtype of hidden), dweight, dbias f32, dtemp f32\n"
-        "(DLPack). With `logits` (the forward's kept logits) the fast strategy, which on CUDA overwrites them;\n"
+        "(DLPack). With `logits` (the forward's kept buffer) the fast strategy, which on CUDA overwrites it;\n"
         "else lean.");
 }

@@ -1,8 +1,8 @@
 """The framework-neutral rules both frontends (rlk_xla, torch_bridge) share: the modes, the
 backward strategies and their memory budget, and the compiled module's route counters.
 
-Imports neither jax nor torch: each frontend passes in what only it knows (the byte size of the
-kept logits, from its own dtypes).
+Imports neither jax nor torch: each frontend passes in what only it knows (its compiled module,
+its dtype codes and devices).
 """
 from __future__ import annotations
 
@@ -129,6 +129,14 @@ def backward_memory_budget(budget) -> int:
     if budget < 0:
         raise ValueError(f"{name} must be >= 0 bytes, got {budget}")
     return int(budget)
+
+
+def kept_bytes(core, n: int, v_local: int, chunk: int, dtype_code: int, device: str) -> int:
+    """Bytes the fast backward keeps for one shard (n rows, v_local vocab rows), in the layout of
+    the backend on `device` ("cpu" or "cuda"): the frontends allocate this many uint8 and compare
+    it with backward_memory_budget. Both backends' layouts are a record per row, so this is n times
+    one row's bytes (n may be a symbolic size under torch.compile)."""
+    return n * int(core.kept_bytes(1, v_local, chunk, dtype_code, device))
 
 
 def resolve_backward(backward: str, kept_bytes: int, budget=None) -> str:

@@ -14,12 +14,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from ._args import kept_logits_dtype
+from ._args import DTYPE_CODE, kept_bytes
 from ._compat import result_type
 from ._core import core, has_platform, registered_platforms
 
 F32 = jnp.float32
-DTYPE_CODE = {jnp.dtype(jnp.float32): 0, jnp.dtype(jnp.float16): 1, jnp.dtype(jnp.bfloat16): 2}
 STAT_WIDTH = core.STAT_WIDTH
 
 
@@ -79,37 +78,38 @@ def _bias_arg(bias):
 
 def forward(hidden, weight, bias, targets, temperature, cfg: KernelConfig, keep_logits: bool = False):
     """bias: [v] f32 or None; temperature [n] f32 (the kernels form 1/T). -> stats [n, v/chunk, STAT_WIDTH] f32, target_logit [n] f32 (0 where
-    the target is not a real id of this shard)[, with keep_logits the logits [n, v] for the fast
-    backward, in logits_dtype]."""
+    the target is not a real id of this shard)[, with keep_logits the kept buffer for the fast
+    backward: uint8 [kept_bytes], the backend's own layout]."""
     n, v = hidden.shape[0], weight.shape[0]
     args = (hidden, weight, _bias_arg(bias), targets, temperature)
     results = (_sds((n, v // cfg.chunk, STAT_WIDTH), F32, args), _sds((n,), F32, args))
     if keep_logits:
-        results += (_sds((n, v), kept_logits_dtype(hidden.dtype), args),)
+        results += (_sds((kept_bytes(n, v, cfg.chunk, hidden.dtype),), jnp.uint8, args),)
     name = "rlk_forward_keep" if keep_logits else "rlk_forward"
     return _on_platform(results, _workspace(hidden, weight, cfg)[0], name, args, cfg.attrs())
 
 
 def combine(stats, target_logit, targets, *, real_vocab: int, ignore_index: int):
-    """All chunks of the global vocab -> (logp, lse, entropy), each [n] f32."""
+    """All chunks of the global vocab -> (logp, entropy, m, log_s), each [n] f32 (m, log_s: the row
+    max and log sum exp(z - m), what the backward takes)."""
     n = stats.shape[0]
     attrs = dict(real_vocab=np.int64(real_vocab), ignore_index=np.int64(ignore_index))
     args = (stats, target_logit, targets)
-    return _on_platform((_sds((n,), F32, args),) * 3, None, "rlk_combine", args, attrs)
+    return _on_platform((_sds((n,), F32, args),) * 4, None, "rlk_combine", args, attrs)
 
 
-def backward(hidden, weight, bias, targets, temperature, lse, entropy, g, e, cfg: KernelConfig, *, logits,
+def backward(hidden, weight, bias, targets, temperature, m, log_s, entropy, g, e, cfg: KernelConfig, *, logits,
              dhidden_f32: bool):
     """-> dhidden [n, h], dweight [v, h], dbias [v] f32, dtemperature [n] f32 (dhidden and
     dtemperature: this shard's part). dhidden is f32 with dhidden_f32 (a vocab shard's partial, to be
     summed over shards), else in hidden's dtype, rounded once from the f32 sum (the whole vocab: no
     f32 [n, h] buffer at all).
-    logits: the forward's kept logits (the fast strategy; the CUDA kernels overwrite the buffer,
+    logits: the forward's kept buffer (the fast strategy; the CUDA kernels overwrite it,
     which XLA gives them through an operand-result alias), or None (lean: recompute)."""
     n, h = hidden.shape
     v = weight.shape[0]
     empty = jnp.zeros((0,), F32)
-    args = (hidden, weight, _bias_arg(bias), targets, temperature, lse,
+    args = (hidden, weight, _bias_arg(bias), targets, temperature, m, log_s,
             entropy if cfg.with_entropy else empty, g, e if cfg.with_entropy else empty)
     results = (_sds((n, h), F32 if dhidden_f32 else hidden.dtype, args), _sds((v, h), weight.dtype, args),
                _sds((v if cfg.has_bias else 0,), F32, args), _sds((n,), F32, args))

@@ -48,11 +48,11 @@ def linear_logp(hidden, weight, targets, *, bias=None, temperature=1.0, ignore_i
     "off": the reference (materialized logits); "audit": runs both, returns the kernels' result
     (and gradients) and records per call, in route_stats()["audit"], how many rows' logp equal
     the reference's bit for bit and the mean and max |logp - reference logp|.
-    backward: the gradient's strategy. "fast" has the forward keep this shard's logits until the
-    backward, which reads them instead of recomputing them: fp16 (2 bytes each) for bf16/fp16
-    operands, fp32 (4 bytes each) for fp32, n * V_local values; "lean" recomputes them chunk by
-    chunk (on CUDA a workspace of at most 256 MiB, whatever n and V); "auto" (default) is fast
-    when the kept logits fit backward_memory_budget bytes (default: env
+    backward: the gradient's strategy. "fast" keeps what the backward needs from the forward (this
+    shard's logits in a max-relative form: about n * V_local * 2 bytes for 16-bit operands on the
+    CPU, 4 for fp32; _rlk_core.kept_bytes) and reads it back; "lean" recomputes the logits
+    chunk by chunk (on CUDA a workspace of at most 256 MiB, whatever n and V);
+    "auto" (default) is fast when the kept logits fit backward_memory_budget bytes (default: env
     RLK_BACKWARD_MEMORY_BUDGET, else 4 GiB), else lean. Only calls that are differentiated keep
     logits. fast's fp16 logits move the gradient by up to |z| * 2^-11 relative (docs/design.md §5).
     """
@@ -61,7 +61,7 @@ def linear_logp(hidden, weight, targets, *, bias=None, temperature=1.0, ignore_i
     a = parse(hidden, weight, targets, bias=bias, temperature=temperature, ignore_index=ignore_index,
               vocab_start=vocab_start, real_vocab_size=real_vocab_size, axis_name=axis_name)
     n = a.hidden.shape[0]
-    strategy = resolve_backward(backward, n, a.weight.shape[0], a.hidden.dtype, backward_memory_budget)
+    strategy = resolve_backward(backward, a, backward_memory_budget)
     reason = _unsupported(a)
     if n == 0 or mode == "off":
         if n:
@@ -177,19 +177,21 @@ def _fused_fwd(st: _Static, hidden, weight, bias, temperature, targets, ktargets
         full = lax.dynamic_update_slice(full, stats, (0, chunk_offset, 0))
         stats = lax.psum(full, st.axis_name)
         target_logit = lax.psum(target_logit, st.axis_name)
-    logp, lse, ent = K.combine(stats, target_logit, targets, real_vocab=st.real_vocab, ignore_index=st.ignore_index)
+    logp, ent, m, log_s = K.combine(stats, target_logit, targets, real_vocab=st.real_vocab,
+                                    ignore_index=st.ignore_index)
     if not st.cfg.with_entropy:
         ent = jnp.zeros_like(logp)
-    return (logp, ent), (hidden, weight, bias, temperature, ktargets, lse, ent, kept[0] if kept else None)
+    return (logp, ent), (hidden, weight, bias, temperature, ktargets, m, log_s, ent, kept[0] if kept else None)
 
 
 def _fused_bwd(st: _Static, res, cts):
     res, cts = _first_order_only((res, cts))
-    hidden, weight, bias, temperature, ktargets, lse, ent, kept = res
+    hidden, weight, bias, temperature, ktargets, m, log_s, ent, kept = res
     g, e = cts
-    hk, tk, ktk, lk, ek, gk, eek = _varying(st, hidden, temperature, ktargets, lse, ent, g.astype(F32), e.astype(F32))
+    hk, tk, ktk, mk, lsk, ek, gk, eek = _varying(st, hidden, temperature, ktargets, m, log_s, ent, g.astype(F32),
+                                                 e.astype(F32))
     # A shard's dH is a partial sum: f32 until the all-reduce; the whole vocab's comes in the dtype.
-    dh, dw, db, dtemp = K.backward(hk, weight, bias, ktk, tk, lk, ek, gk, eek, st.cfg, logits=kept,
+    dh, dw, db, dtemp = K.backward(hk, weight, bias, ktk, tk, mk, lsk, ek, gk, eek, st.cfg, logits=kept,
                                    dhidden_f32=st.axis_name is not None)
     if st.axis_name is not None:
         # dH and dT are partial sums over this shard's vocab: one all-reduce each over the vocab

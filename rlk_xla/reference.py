@@ -1,5 +1,9 @@
 """The reference: plain jnp with materialized fp32 logits. The oracle of the tests and the `off` path.
 
+Its logits do not depend on jax_default_matmul_precision: fp16, fp32 and float64 operands are
+multiplied at lax.Precision.HIGHEST; bf16 operands are exact in every internal format (TF32, bf16)
+with fp32 accumulation, and HIGHEST would only slow them down.
+
 Same signature and semantics as rlk_xla.linear_logp (inside shard_map with `axis_name`, the
 weight is this device's vocab shard and the statistics are combined with collectives).
 """
@@ -25,9 +29,9 @@ def linear_logp(hidden, weight, targets, *, bias=None, temperature=1.0, ignore_i
 
 def rows(a: Args, with_entropy: bool):
     """logp and entropy ([n] f32 each; entropy zeros when not asked) of parsed arguments."""
-    # fp32 operands stay fp32 on GPUs too (HIGHEST: no TF32), as befits the oracle; bf16/fp16
-    # operands are exact in the fp32-accumulating default and HIGHEST would only slow them down.
-    precision = lax.Precision.HIGHEST if a.hidden.dtype == jnp.float32 else None
+    # Pinned at HIGHEST (no TF32, no bf16 passes, whatever the global default) but for bf16 operands,
+    # which are exact in the fp32-accumulating default.
+    precision = None if jnp.dtype(a.hidden.dtype) == jnp.bfloat16 else lax.Precision.HIGHEST
     logits = jnp.dot(a.hidden, a.weight.T, preferred_element_type=F32, precision=precision)
     if a.bias is not None:
         logits = logits + a.bias.astype(F32)

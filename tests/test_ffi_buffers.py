@@ -91,13 +91,14 @@ def test_forward_rejects_a_chunk_that_does_not_divide_the_vocab():
 
 
 @pytest.mark.parametrize("what,results,args", [
-    ("logp", [sds((N + 1,)), sds((N,)), sds((N,))], [jnp.zeros((N, 2, W)), jnp.zeros((N,)), jnp.zeros((N,), I32)]),
-    ("entropy", [sds((N,)), sds((N,)), sds((N, 2))], [jnp.zeros((N, 2, W)), jnp.zeros((N,)), jnp.zeros((N,), I32)]),
-    ("lse", [sds((N,)), sds((N,), BF16), sds((N,))], [jnp.zeros((N, 2, W)), jnp.zeros((N,)), jnp.zeros((N,), I32)]),
-    ("target_logit", [sds((N,))] * 3, [jnp.zeros((1, 2, W)), jnp.zeros((N,)), jnp.zeros((N,), I32)]),
-    ("stats", [sds((N,))] * 3, [jnp.zeros((N, 2, 1)), jnp.zeros((N,)), jnp.zeros((N,), I32)]),
-    ("target_logit", [sds((N,))] * 3, [jnp.zeros((N, 2, W)), jnp.zeros((2,)), jnp.zeros((N,), I32)]),
-    ("targets", [sds((N,))] * 3, [jnp.zeros((N, 2, W)), jnp.zeros((N,)), jnp.zeros((N,), jnp.int16)]),
+    ("logp", [sds((N + 1,)), sds((N,)), sds((N,)), sds((N,))], [jnp.zeros((N, 2, W)), jnp.zeros((N,)), jnp.zeros((N,), I32)]),
+    ("entropy", [sds((N,)), sds((N, 2)), sds((N,)), sds((N,))], [jnp.zeros((N, 2, W)), jnp.zeros((N,)), jnp.zeros((N,), I32)]),
+    ("m", [sds((N,)), sds((N,)), sds((N,), BF16), sds((N,))], [jnp.zeros((N, 2, W)), jnp.zeros((N,)), jnp.zeros((N,), I32)]),
+    ("log_s", [sds((N,)), sds((N,)), sds((N,)), sds((2,))], [jnp.zeros((N, 2, W)), jnp.zeros((N,)), jnp.zeros((N,), I32)]),
+    ("target_logit", [sds((N,))] * 4, [jnp.zeros((1, 2, W)), jnp.zeros((N,)), jnp.zeros((N,), I32)]),
+    ("stats", [sds((N,))] * 4, [jnp.zeros((N, 2, 1)), jnp.zeros((N,)), jnp.zeros((N,), I32)]),
+    ("target_logit", [sds((N,))] * 4, [jnp.zeros((N, 2, W)), jnp.zeros((2,)), jnp.zeros((N,), I32)]),
+    ("targets", [sds((N,))] * 4, [jnp.zeros((N, 2, W)), jnp.zeros((N,)), jnp.zeros((N,), jnp.int16)]),
 ], ids=lambda x: x if isinstance(x, str) else "")
 def test_combine_rejects(what, results, args):
     attrs = dict(real_vocab=np.int64(V), ignore_index=np.int64(-100))
@@ -107,7 +108,7 @@ def test_combine_rejects(what, results, args):
 
 def bwd_args(**over):
     ops = dict(zip(("hidden", "weight", "bias", "targets", "temperature"), operands()))
-    ops.update(lse=jnp.zeros((N,)), entropy=jnp.zeros((N,)), g=jnp.ones((N,)), e=jnp.ones((N,)))
+    ops.update(m=jnp.zeros((N,)), log_s=jnp.zeros((N,)), entropy=jnp.zeros((N,)), g=jnp.ones((N,)), e=jnp.ones((N,)))
     ops.update(over)
     return list(ops.values())
 
@@ -130,7 +131,8 @@ def test_valid_backward_runs():
     ("dtemp", bwd_results(dtemp=sds((1,))), bwd_args()),
     ("dhidden", bwd_results(dhidden=sds((N, H), jnp.float16)), bwd_args()),
     ("dhidden", bwd_results(dhidden=sds((N,))), bwd_args()),
-    ("lse", bwd_results(), bwd_args(lse=jnp.zeros((2,)))),
+    ("m", bwd_results(), bwd_args(m=jnp.zeros((2,)))),
+    ("log_s", bwd_results(), bwd_args(log_s=jnp.zeros((N,), BF16))),
     ("entropy", bwd_results(), bwd_args(entropy=jnp.zeros((0,)))),
     ("g", bwd_results(), bwd_args(g=jnp.zeros((N,), BF16))),
     ("e", bwd_results(), bwd_args(e=jnp.zeros((N + 3,)))),
@@ -141,10 +143,10 @@ def test_backward_rejects(what, results, args):
         call("rlk_backward", results, args)
 
 
-def test_fast_backward_rejects_kept_logits_of_the_wrong_shape():
-    args = bwd_args() + [jnp.zeros((N, V // 2), F32)]
-    with pytest.raises(Exception, match="rlk: kept logits"):
-        call("rlk_backward_fast", bwd_results() + [sds((N, V // 2))], args)
+def test_fast_backward_rejects_a_kept_buffer_too_small():
+    args = bwd_args() + [jnp.zeros((8,), jnp.uint8)]
+    with pytest.raises(Exception, match="rlk: the kept buffer"):
+        call("rlk_backward_fast", bwd_results() + [sds((8,), jnp.uint8)], args)
 
 
 def test_thread_start_failure_is_an_error_not_terminate():

@@ -9,6 +9,8 @@ import numpy as np
 
 import rlk_xla
 import oracle
+from rlk_xla._args import kept_bytes
+from rlk_xla._core import core
 from helpers import make_inputs, value_and_grads
 from oracle import case_grid
 
@@ -207,17 +209,20 @@ def test_fused_program_has_no_logits_sized_buffer(grad):
     assert temps["fused", 32768] - temps["fused", 4096] < 0.05 * growth_logits, temps
 
 
-def test_fast_backward_keeps_only_the_fp16_logits():
-    """The fast strategy's one [n, v] buffer is the fp16 kept logits; a forward-only call keeps none."""
+def test_fast_backward_keeps_only_the_kept_buffer():
+    """The fast strategy's one logits-sized buffer is the backend's kept buffer, uint8 [kept_bytes]
+    (about 2 bytes a logit for 16-bit operands); a forward-only call keeps none."""
     n, temps, texts = _programs(True, "fast")
     for v, text in texts.items():
-        assert f"f16[{n},{v}]" in text
-        assert f"f32[{n},{v}]" not in text and f"bf16[{n},{v}]" not in text and f"[{v},{n}]" not in text
+        kept = kept_bytes(n, v, core.canonical_chunk(v), jnp.bfloat16)
+        assert f"u8[{kept}]" in text and n * v * 2 <= kept < n * v * 2.1
+        assert f"[{n},{v}]" not in text and f"[{v},{n}]" not in text
     growth_fp32_logits = n * (32768 - 4096) * 4
-    kept_growth = n * (32768 - 4096) * 2
+    kept_growth = (kept_bytes(n, 32768, core.canonical_chunk(32768), jnp.bfloat16)
+                   - kept_bytes(n, 4096, core.canonical_chunk(4096), jnp.bfloat16))
     assert abs(temps["fused", 32768] - temps["fused", 4096] - kept_growth) < 0.05 * growth_fp32_logits, temps
     _, _, fwd_texts = _programs(False, "fast")
-    assert all(f"[{n},{v}]" not in text for v, text in fwd_texts.items())
+    assert all(f"[{n},{v}]" not in text and "u8[" not in text for v, text in fwd_texts.items())
 
 
 def _fast_backward_calls(fn):
@@ -226,10 +231,13 @@ def _fast_backward_calls(fn):
     return rlk_xla.route_stats()["backends"]["cpu"]["bwd_fast_calls"] - before
 
 
-@pytest.mark.parametrize("backward,budget,fast", [("auto", None, 1), ("auto", 0, 0), ("auto", 127 * 517 * 2, 1),
-                                                  ("auto", 127 * 517 * 2 - 1, 0), ("fast", 0, 1), ("lean", None, 0)])
+_KEPT = 127 * 4 * (4 + 9 + 1) + 127 * 2 * 518  # CPU, bf16, n 127, v = chunk 517: 9 tiles, one chunk
+
+
+@pytest.mark.parametrize("backward,budget,fast", [("auto", None, 1), ("auto", 0, 0), ("auto", _KEPT, 1),
+                                                  ("auto", _KEPT - 1, 0), ("fast", 0, 1), ("lean", None, 0)])
 def test_backward_strategy_choice(backward, budget, fast):
-    """auto keeps the logits when n * v * 2 bytes fit the budget; the route counters say which ran."""
+    """auto keeps when the kept buffer's bytes fit the budget; the route counters say which ran."""
     d, _, _, _ = make_inputs(3, 127, 32, 517, "bfloat16")
     f = jax.grad(lambda hh: jnp.sum(rlk_xla.linear_logp(hh, d["weight"], d["targets"], backward=backward,
                                                         backward_memory_budget=budget)))

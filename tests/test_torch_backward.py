@@ -13,7 +13,7 @@ import torch
 import _rlk_core
 import torch_bridge
 from torch_bridge import _ops
-from torch_bridge._args import DEFAULT_BACKWARD_MEMORY_BUDGET, kept_logits_dtype, resolve_backward
+from torch_bridge._args import DEFAULT_BACKWARD_MEMORY_BUDGET, kept_bytes, resolve_backward
 from torch_helpers import make_inputs, value_and_grads
 
 F16, F32 = torch.float16, torch.float32
@@ -39,28 +39,45 @@ def _step(d, kw, g, e, **extra):
 
 # ---- the rule -------------------------------------------------------------------------------------
 
-def test_kept_logits_dtype_rule():
-    assert kept_logits_dtype(torch.bfloat16) == F16 and kept_logits_dtype(F16) == F16
-    assert kept_logits_dtype(F32) == F32
+CPU = torch.device("cpu")
+
+
+def _cpu_row_bytes(v, chunk):
+    """One row of the CPU backend's 16-bit kept record: 4 fp32 moments per chunk, one fp32 max per
+    64-column tile of each chunk, the fp32 target logit, then fp16 q for the v columns (even)."""
+    chunks, tiles = v // chunk, -(-chunk // 64)
+    return 4 * (4 * chunks + chunks * tiles + 1) + 2 * (v + v % 2)
+
+
+def test_kept_bytes_rule():
+    n, v, chunk = 7, 300, 75
+    assert kept_bytes(n, v, chunk, F32, CPU) == n * v * 4                   # z fp32, as the forward computed it
+    for dt in (torch.bfloat16, F16):
+        assert kept_bytes(n, v, chunk, dt, CPU) == n * _cpu_row_bytes(v, chunk)
+    assert kept_bytes(n, 301, 301, torch.bfloat16, CPU) == n * _cpu_row_bytes(301, 301)
+    assert kept_bytes(n, v, chunk, torch.float64, CPU) == 0                 # the reference runs: nothing kept
+    if _rlk_core.has_cuda:
+        assert kept_bytes(n, v, chunk, F16, torch.device("cuda")) == n * v * 2
 
 
 def test_resolve_backward(monkeypatch):
-    n, v = 1000, 3000
-    kept16, kept32 = n * v * 2, n * v * 4
-    assert resolve_backward("fast", n, v, torch.bfloat16, 0) == "fast"
-    assert resolve_backward("lean", n, v, torch.bfloat16, None) == "lean"
-    assert resolve_backward("auto", n, v, torch.bfloat16, kept16) == "fast"   # the budget is inclusive
-    assert resolve_backward("auto", n, v, torch.bfloat16, kept16 - 1) == "lean"
-    assert resolve_backward("auto", n, v, F32, kept16) == "lean"              # fp32 keeps 4 bytes a logit
-    assert resolve_backward("auto", n, v, F32, kept32) == "fast"
+    n, v, c = 1000, 3000, 375
+    kept16, kept32 = kept_bytes(n, v, c, F16, CPU), n * v * 4
+    assert kept16 < kept32
+    assert resolve_backward("fast", n, v, c, torch.bfloat16, CPU, 0) == "fast"
+    assert resolve_backward("lean", n, v, c, torch.bfloat16, CPU, None) == "lean"
+    assert resolve_backward("auto", n, v, c, torch.bfloat16, CPU, kept16) == "fast"   # the budget is inclusive
+    assert resolve_backward("auto", n, v, c, torch.bfloat16, CPU, kept16 - 1) == "lean"
+    assert resolve_backward("auto", n, v, c, F32, CPU, kept16) == "lean"              # fp32 keeps 4 bytes a logit
+    assert resolve_backward("auto", n, v, c, F32, CPU, kept32) == "fast"
     assert DEFAULT_BACKWARD_MEMORY_BUDGET == 4 << 30
-    big = DEFAULT_BACKWARD_MEMORY_BUDGET // 2 + 1  # n * big * 2 bytes > 4 GiB for n = 1; 4 GiB itself fits
-    assert resolve_backward("auto", 1, big, F16, None) == "lean"
-    assert resolve_backward("auto", 1, big - 1, F16, None) == "fast"
+    big = DEFAULT_BACKWARD_MEMORY_BUDGET // 4 + 1  # n * big * 4 bytes > 4 GiB for n = 1; 4 GiB itself fits
+    assert resolve_backward("auto", 1, big, big, F32, CPU, None) == "lean"
+    assert resolve_backward("auto", 1, big - 1, big - 1, F32, CPU, None) == "fast"
     monkeypatch.setenv("RLK_BACKWARD_MEMORY_BUDGET", str(kept16))
-    assert resolve_backward("auto", n, v, F16, None) == "fast"
-    assert resolve_backward("auto", n, v + 1, F16, None) == "lean"
-    assert resolve_backward("auto", n, v + 1, F16, kept16 + 2 * n) == "fast"  # the argument wins over the env
+    assert resolve_backward("auto", n, v, c, F16, CPU, None) == "fast"
+    assert resolve_backward("auto", n + 1, v, c, F16, CPU, None) == "lean"
+    assert resolve_backward("auto", n + 1, v, c, F16, CPU, 2 * kept16) == "fast"  # the argument wins over the env
 
 
 @pytest.mark.parametrize("backward,budget,env,exc,match", [
@@ -88,7 +105,7 @@ def test_bad_strategy_or_budget_is_a_clear_error(monkeypatch, backward, budget, 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_auto_is_fast_within_the_budget_and_lean_over_it(monkeypatch, dtype):
     n, v = 37, 300
-    kept = n * v * kept_logits_dtype(getattr(torch, dtype)).itemsize
+    kept = kept_bytes(n, v, 75, getattr(torch, dtype), CPU)
     d, kw, g, e = make_inputs(1, n, 24, v, dtype, bias=True, temp="array")
     assert _step(d, kw, g, e)[1]                                                   # default 4 GiB
     assert _step(d, kw, g, e, backward_memory_budget=kept)[1]
@@ -129,49 +146,78 @@ def test_fast_changes_no_forward_bit():
 
 # ---- the kept logits ------------------------------------------------------------------------------
 
+def _decode_cpu_kept(kept, n, v, chunk):
+    """The CPU 16-bit kept record -> (z - m) [n, v] float64 (from q and the tile maxima; -inf where
+    q = 0), the chunk moments [n, chunks, 4] and the target logits [n]."""
+    chunks, tiles = v // chunk, -(-chunk // 64)
+    rows = kept.view(n, -1)
+    floats = 4 * chunks + chunks * tiles + 1
+    f = rows[:, :4 * floats].contiguous().view(torch.float32).double()
+    q = rows[:, 4 * floats:4 * floats + 2 * v].contiguous().view(F16).double()
+    mom, tmax, zt = f[:, :4 * chunks].reshape(n, chunks, 4), f[:, 4 * chunks:-1], f[:, -1]
+    col = torch.arange(v)
+    tile = col // chunk * tiles + col % chunk // 64
+    return q.log() + tmax[:, tile] - mom[:, :, 0].max(dim=1).values[:, None], mom, zt
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
-def test_kept_logits_are_the_scaled_logits_and_fill_the_buffer(dtype):
-    """The forward writes z = (h.W + b) / T, rounded to the kept dtype, into every element of the
-    caller's [n, v] buffer (padding columns too: none is left as it was)."""
+def test_kept_buffer_holds_the_scaled_logits(dtype):
+    """fp32 operands: z = (h.W + b) / T in fp32 [n, v]. 16-bit: per row q = exp(z - tile max) in
+    fp16 (relative error 2^-11 at any |z|), the fp32 tile maxima, chunk moments and target logit."""
     d, kw, _, _ = make_inputs(4, 45, 32, 300, dtype, bias=True, temp="array", real_vocab=290)
     h, w, T = d["hidden"], d["weight"], kw["temperature"]
     b, t = kw["bias"].float(), d["targets"].int()
-    want = kept_logits_dtype(h.dtype)
-    logits = torch.full((45, 300), float("nan"), dtype=want)
-    _rlk_core.forward(h, w, b, t, T.float(), torch.empty((45, 4, 3)), torch.empty(45), logits, None, 0,
-                      290, 75, -100, False, 0)
-    assert not torch.isnan(logits).any()
+    logits = torch.full((kept_bytes(45, 300, 75, h.dtype, CPU),), 255, dtype=torch.uint8)
+    stats = torch.empty((45, 4, 3))
+    _rlk_core.forward(h, w, b, t, T.float(), stats, torch.empty(45), logits, None, 0, 290, 75, -100, True, 0)
     z = (h.double() @ w.double().T + b.double()) / T.double()[:, None]
-    # fp32 arithmetic (a few ulps of the summed magnitudes) then the rounding to the kept dtype
     mag = (h.double().abs() @ w.double().abs().T + b.double().abs()) / T.double()[:, None]
-    tol = 1e-6 * mag + z.abs() * (2.0 ** -11 if want == F16 else 2.0 ** -24)
-    assert ((logits[:, :290].double() - z[:, :290]).abs() <= tol[:, :290]).all()
+    if dtype == "float32":
+        kz = logits.view(torch.float32).view(45, 300).double()
+        assert ((kz[:, :290] - z[:, :290]).abs() <= 1e-6 * mag[:, :290]).all()
+    else:
+        zm, mom, zt = _decode_cpu_kept(logits, 45, 300, 75)
+        want = z - z[:, :290].max(dim=1, keepdim=True).values
+        # exp(z - mt) to fp16's relative 2^-11, fp32 arithmetic a few ulps of the summed magnitudes
+        live = want[:, :290] > -9  # q in fp16's normal range
+        err = (zm[:, :290] - want[:, :290]).abs()
+        assert (err[live] <= 2.0 ** -10 + 1e-6 * mag[:, :290][live]).all()
+        assert torch.equal(mom[:, :, :3].float(), stats) or torch.allclose(mom[:, :, :2].float(), stats[:, :, :2])
+        zm_c = z[:, :290].reshape(45, -1)  # second moments: sum exp(z - m_c) (z - m_c)^2 per chunk
+        for c in range(4):
+            zc = z[:, 75 * c:min(75 * (c + 1), 290)]
+            u = zc - mom[:, c, 0:1]
+            np.testing.assert_allclose(mom[:, c, 3], (u.exp() * u * u).sum(dim=1), rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(zt, z.gather(1, t.long()[:, None])[:, 0], rtol=1e-5, atol=1e-4)
     # the op allocates it alike; with keep_logits=False it carries an empty [0]
-    for keep, shape in ((True, (45, 300)), (False, (0,))):
-        out = torch.ops.rlk.linear_logp(h, w, b, t, T, 290, 75, -100, False, keep)[3]
-        assert out.dtype == want and tuple(out.shape) == shape
-    assert torch.equal(torch.ops.rlk.linear_logp(h, w, b, t, T, 290, 75, -100, False, True)[3], logits)
+    for keep, shape in ((True, tuple(logits.shape)), (False, (0,))):
+        out = torch.ops.rlk.linear_logp(h, w, b, t, T, 290, 75, -100, True, keep)[4]
+        assert out.dtype == torch.uint8 and tuple(out.shape) == shape
+    assert torch.equal(torch.ops.rlk.linear_logp(h, w, b, t, T, 290, 75, -100, True, True)[4], logits)
 
 
-def test_cpu_fast_backward_only_reads_the_kept_logits():
-    """The CPU backward reads the kept logits (CUDA overwrites them: test_torch_gpu.py)."""
+def test_cpu_fast_backward_only_reads_the_kept_buffer():
+    """The CPU backward reads the kept buffer (CUDA overwrites it: test_torch_gpu.py)."""
     d, kw, g, e = make_inputs(5, 30, 16, 200, "bfloat16", bias=True, temp="array")
     h, w, b, t, T = d["hidden"], d["weight"], kw["bias"].float(), d["targets"].int(), kw["temperature"]
-    logp, ent, lse, logits = torch.ops.rlk.linear_logp(h, w, b, t, T, 200, 200, -100, True, True)
+    logp, ent, m, log_s, logits = torch.ops.rlk.linear_logp(h, w, b, t, T, 200, 200, -100, True, True)
     before = logits.clone()
-    fast = torch.ops.rlk.linear_logp_backward(h, w, b, t, T, lse, ent, g, e, logits, 0, 200, 200, -100, False)
+    fast = torch.ops.rlk.linear_logp_backward(h, w, b, t, T, m, log_s, ent, g, e, logits, 0, 200, 200, -100, False)
     assert torch.equal(logits, before)
-    lean = torch.ops.rlk.linear_logp_backward(h, w, b, t, T, lse, ent, g, e, torch.zeros(0), 0, 200, 200, -100, False)
+    lean = torch.ops.rlk.linear_logp_backward(h, w, b, t, T, m, log_s, ent, g, e, torch.zeros(0, dtype=torch.uint8),
+                                              0, 200, 200, -100, False)
     assert all(x.shape == y.shape and x.dtype == y.dtype for x, y in zip(fast, lean))
 
 
-def test_backward_op_rejects_logits_that_are_not_the_kept_ones():
+def test_backward_op_rejects_a_buffer_that_is_not_the_kept_one():
     d, kw, g, _ = make_inputs(5, 10, 16, 100, "bfloat16")
     h, w, t, T = d["hidden"], d["weight"], d["targets"].int(), torch.ones(10)
-    lse = torch.zeros(10)
-    for bad in (torch.zeros((10, 99), dtype=F16), torch.zeros((10, 100), dtype=torch.bfloat16), torch.zeros(3)):
-        with pytest.raises(ValueError, match="logits must be the kept logits"):
-            torch.ops.rlk.linear_logp_backward(h, w, None, t, T, lse, None, g, None, bad, 0, 100, 100, -100, True)
+    m, log_s = torch.zeros(10), torch.zeros(10)
+    nbytes = kept_bytes(10, 100, 100, torch.bfloat16, CPU)
+    for bad in (torch.zeros((10, 100), dtype=F16), torch.zeros(nbytes - 1, dtype=torch.uint8), torch.zeros(3)):
+        with pytest.raises(ValueError, match="logits must be the forward's kept buffer"):
+            torch.ops.rlk.linear_logp_backward(h, w, None, t, T, m, log_s, None, g, None, bad, 0, 100, 100, -100,
+                                               True)
 
 
 # ---- one backward per forward ---------------------------------------------------------------------

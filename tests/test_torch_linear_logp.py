@@ -150,12 +150,12 @@ def test_empty_input():
     assert logp.shape == (0,) and ent.shape == (0,)
     logp.sum().backward()
     assert w.grad is None or not w.grad.float().any()
-    # the ops themselves take n = 0, lean (empty logits) and fast (kept logits [0, v])
-    for logits in (torch.zeros(0, dtype=torch.float32), torch.zeros((0, 10), dtype=torch.float32)):
-        dh, dw, db, dt = torch.ops.rlk.linear_logp_backward(
-            torch.zeros((0, 16)), torch.ones((10, 16)), torch.ones(10), torch.zeros(0, dtype=torch.int32),
-            torch.ones(0), torch.zeros(0), None, torch.zeros(0), None, logits, 0, 10, 10, -100, True)
-        assert dh.shape == (0, 16) and not dw.any() and not db.any()
+    # the op itself takes n = 0 (the kept buffer of 0 rows is empty, as lean's)
+    dh, dw, db, dt = torch.ops.rlk.linear_logp_backward(
+        torch.zeros((0, 16)), torch.ones((10, 16)), torch.ones(10), torch.zeros(0, dtype=torch.int32),
+        torch.ones(0), torch.zeros(0), torch.zeros(0), None, torch.zeros(0), None, torch.zeros(0, dtype=torch.uint8),
+        0, 10, 10, -100, True)
+    assert dh.shape == (0, 16) and not dw.any() and not db.any()
 
 
 _H, _W, _T = torch.ones((4, 8)), torch.ones((10, 8)), torch.ones((4,), dtype=torch.int64)
@@ -209,7 +209,8 @@ def test_kernel_entry_points_reject_wrong_dtype_and_shape():
         core.forward(h, w, None, t, it, torch.empty((4, 2, 3)), tl, None, None, 0, 10, 10, -100, False, 0)
     with pytest.raises(ValueError, match="hidden must be"):  # wrong dtype: no silent conversion
         core.forward(h.double(), w, None, t, it, stats, tl, None, None, 0, 10, 10, -100, False, 0)
-    for bad in (torch.empty((4, 10), dtype=torch.float16), torch.empty((4, 9))):  # fp32 operands keep fp32 [n, v]
+    # the kept buffer: uint8 of exactly kept_bytes (fp32 operands: z [n, v] fp32)
+    for bad in (torch.empty((4, 10)), torch.empty(4 * 10 * 4 - 1, dtype=torch.uint8)):
         with pytest.raises(ValueError, match="logits"):
             core.forward(h, w, None, t, it, stats, tl, bad, None, 0, 10, 10, -100, False, 0)
 
@@ -236,18 +237,18 @@ def _op_samples():
     t, T = d["targets"].to(torch.int32), kw["temperature"]
     chunk = 300 // 4  # canonical_chunk(300) = 75
     stats, tl, kept = torch.ops.rlk.forward_stats(h, w, b, t, T, 0, 290, chunk, -100, True, True)
-    logp, lse, ent = torch.ops.rlk.combine(stats, tl, t, 290, -100)
+    logp, ent, m, log_s = torch.ops.rlk.combine(stats, tl, t, 290, -100)
     hh, wh = h.half(), w.half()
     kept16 = torch.ops.rlk.forward_stats(hh, wh, None, t, T, 0, 290, chunk, -100, False, True)[2]
-    lean = torch.zeros(0)
+    lean = torch.zeros(0, dtype=torch.uint8)
     return dict(
         forward_stats=[(h, w, b, t, T, 0, 290, chunk, -100, True, False),
                        (h.bfloat16(), w.bfloat16(), None, t, T, 0, 300, chunk, -100, False, True)],
         combine=[(stats, tl, t, 290, -100)],
-        linear_logp_backward=[(h, w, b, t, T, lse, ent, g, e, lean, 0, 290, chunk, -100, True),
-                              (h, w, b, t, T, lse, ent, g, e, kept, 0, 290, chunk, -100, False),
-                              (hh, wh, None, t, T, lse, None, g, None, lean, 0, 290, chunk, -100, False),
-                              (hh, wh, None, t, T, lse, None, g, None, kept16, 0, 290, chunk, -100, True)],
+        linear_logp_backward=[(h, w, b, t, T, m, log_s, ent, g, e, lean, 0, 290, chunk, -100, True),
+                              (h, w, b, t, T, m, log_s, ent, g, e, kept, 0, 290, chunk, -100, False),
+                              (hh, wh, None, t, T, m, log_s, None, g, None, lean, 0, 290, chunk, -100, False),
+                              (hh, wh, None, t, T, m, log_s, None, g, None, kept16, 0, 290, chunk, -100, True)],
         # the forward op has no autograd of its own (torch_bridge._ops.LinearLogp is its autograd)
         linear_logp=[args for keep in (False, True) for args in (
             (h, w, b, t, T, 290, chunk, -100, True, keep),
@@ -265,13 +266,13 @@ def test_linear_logp_op_is_forward_stats_then_combine_bitwise():
     for with_entropy in (True, False):
         stats, tl, _ = torch.ops.rlk.forward_stats(h, w, b, t, T, 0, 290, 75, -100, with_entropy, False)
         want = torch.ops.rlk.combine(stats, tl, t, 290, -100)
-        logp, ent, lse, _ = torch.ops.rlk.linear_logp(h, w, b, t, T, 290, 75, -100, with_entropy, False)
-        assert torch.equal(logp, want[0]) and torch.equal(lse, want[1])
-        assert torch.equal(ent, want[2] if with_entropy else torch.zeros_like(ent))
-    out = [torch.empty(7) for _ in range(3)]
+        logp, ent, m, log_s, _ = torch.ops.rlk.linear_logp(h, w, b, t, T, 290, 75, -100, with_entropy, False)
+        assert torch.equal(logp, want[0]) and torch.equal(m, want[2]) and torch.equal(log_s, want[3])
+        assert torch.equal(ent, want[1] if with_entropy else torch.zeros_like(ent))
+    out = [torch.empty(7) for _ in range(4)]
     args = (h, w, b, t, T, stats, tl, None, None)
     with pytest.raises(ValueError, match="come together"):
-        core.forward(*args, 0, 290, 75, -100, False, 0, out[0], out[1], None)
+        core.forward(*args, 0, 290, 75, -100, False, 0, out[0], out[1], out[2], None)
     with pytest.raises(ValueError, match="whole vocab"):
         core.forward(*args, 300, 590, 75, -100, False, 0, *out)
 

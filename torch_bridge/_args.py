@@ -213,16 +213,26 @@ def unsupported(hidden: torch.Tensor) -> str | None:
     return f"device {dev} (supported: cpu, cuda)"
 
 
-def kept_logits_dtype(dtype: torch.dtype) -> torch.dtype:
-    """dtype of the logits the fast backward keeps: fp16 for bf16 and fp16 inputs (3 more mantissa
-    bits than bf16, half the bytes of fp32), fp32 for fp32 inputs."""
-    return F32 if dtype == F32 else torch.float16
+def kept_bytes(n: int, v_local: int, chunk: int, dtype: torch.dtype, device: torch.device) -> int:
+    """Bytes of the fast backward's kept buffer (uint8) for the kernels of `device`; 0 where the
+    kernels do not run (unsupported dtype or device: nothing is kept)."""
+    if dtype not in DTYPE_CODE or device.type not in ("cpu", "cuda"):
+        return 0
+    return n * _kept_row_bytes(int(v_local), int(chunk), DTYPE_CODE[dtype], device.type)
 
 
-def resolve_backward(backward: str, n: int, v_local: int, dtype: torch.dtype, budget=None) -> str:
+@torch.compiler.assume_constant_result
+def _kept_row_bytes(v_local: int, chunk: int, dtype_code: int, device: str) -> int:
+    """One row's kept bytes (rlk_common.kept_bytes), a constant for torch.compile, which cannot
+    trace the compiled module's call; n may be symbolic."""
+    return common.kept_bytes(core, 1, v_local, chunk, dtype_code, device)
+
+
+def resolve_backward(backward: str, n: int, v_local: int, chunk: int, dtype: torch.dtype, device: torch.device,
+                     budget=None) -> str:
     """The backward strategy of one call, "fast" or "lean" (rlk_common.resolve_backward).
-    fast: the forward also writes this shard's logits [n, v_local] (kept_logits_dtype) and the
-    backward reads them instead of recomputing them; lean: the backward recomputes them chunk by
-    chunk (small workspace). auto: fast when n * v_local * itemsize <= the budget (bytes; None:
-    env RLK_BACKWARD_MEMORY_BUDGET, else 4 GiB), else lean."""
-    return common.resolve_backward(backward, n * v_local * kept_logits_dtype(dtype).itemsize, budget)
+    fast: the forward also writes what the backward needs of this shard's logits (the kept
+    buffer, kept_bytes) and the backward reads it instead of recomputing the logits; lean: the
+    backward recomputes them chunk by chunk (small workspace). auto: fast when kept_bytes <= the
+    budget (bytes; None: env RLK_BACKWARD_MEMORY_BUDGET, else 4 GiB), else lean."""
+    return common.resolve_backward(backward, kept_bytes(n, v_local, chunk, dtype, device), budget)

@@ -3,12 +3,12 @@
 Low-level ops, one per compiled entry point (used by the tensor-parallel path, which puts
 collectives between them):
   rlk::forward_stats          per-(row, canonical chunk) statistics, the local target logit and,
-                              with keep_logits, this shard's logits for the fast backward
-  rlk::combine                all chunks' statistics -> logp, lse, entropy (fixed chunk order)
+                              with keep_logits, this shard's kept buffer for the fast backward
+  rlk::combine                all chunks' statistics -> logp, entropy, m, log_s (fixed chunk order)
   rlk::linear_logp_backward   dH (this shard's partial: f32; the whole vocab's: dtype), dW, db (f32), dtemperature (partial)
 and the fused single-shard forward op, with its autograd (LinearLogp), traceable by
 torch.compile(fullgraph=True):
-  rlk::linear_logp            (logp, entropy, lse, kept logits); backward through rlk::linear_logp_backward
+  rlk::linear_logp            (logp, entropy, m, log_s, kept buffer); backward through rlk::linear_logp_backward
 The forward and combine calls also come as plain functions writing into caller-owned buffers
 (forward_into, combine_to): the rollout path (torch_bridge.rollout) allocates nothing.
 
@@ -17,11 +17,12 @@ rounded reciprocal: the JAX frontend does the same, so both give the same bits (
 own GPU divisions differ in the last bit). Bias, when given, is fp32. Outputs and
 the CUDA workspace are allocated with torch's allocator; CUDA kernels run on the current stream.
 
-Kept logits (backward="fast"): z = (h.W + b) / T of the shard, [n, v] in kept_logits_dtype. When
-they are not kept the ops carry an empty [0] tensor in their place, and the backward then
-recomputes the logits ("lean"). The backward declares `logits` mutated: on CUDA it overwrites them
-with dlogit, so they serve one backward. (Optional[Tensor] with None for lean would read better,
-but Inductor fails to lower a mutated Optional argument that is None -- torch 2.13.)
+Kept buffer (backward="fast"): what the backend's backward needs of the shard's logits z = (h.W + b)
+/ T, uint8 [_args.kept_bytes] in the backend's own layout (`logits` below). When nothing is kept
+the ops carry an empty [0] tensor in its place, and the backward then recomputes the logits
+("lean"). The backward declares `logits` mutated: on CUDA it overwrites it with dlogit, so it
+serves one backward. (Optional[Tensor] with None for lean would read better, but Inductor fails
+to lower a mutated Optional argument that is None -- torch 2.13.)
 """
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from ._args import DTYPE_CODE, kept_logits_dtype
+from ._args import DTYPE_CODE, kept_bytes
 from ._core import core
 
 F32 = torch.float32
@@ -81,20 +82,20 @@ def _workspace(hidden: Tensor, v: int, chunk: int, has_bias: bool, with_entropy:
     return torch.empty((nbytes,), dtype=torch.uint8, device=hidden.device) if nbytes > 0 else None
 
 
-def _logits_like(hidden: Tensor, v: int, keep_logits: bool) -> Tensor:
-    """The kept-logits output: [n, v] (every element written by the forward), or the empty [0]."""
-    shape = (hidden.shape[0], v) if keep_logits else (0,)
-    return hidden.new_empty(shape, dtype=kept_logits_dtype(hidden.dtype))
+def _logits_like(hidden: Tensor, v: int, chunk: int, keep_logits: bool) -> Tensor:
+    """The kept buffer: uint8 [kept_bytes] (written by the forward), or the empty [0]."""
+    nbytes = kept_bytes(hidden.shape[0], v, chunk, hidden.dtype, hidden.device) if keep_logits else 0
+    return hidden.new_empty((nbytes,), dtype=torch.uint8)
 
 
-def _kept(logits: Tensor, hidden: Tensor, v: int) -> Optional[Tensor]:
-    """The kept logits for the fast backward, or None (lean) for the empty [0] tensor."""
-    if tuple(logits.shape) == (0,):
+def _kept(logits: Tensor, hidden: Tensor, v: int, chunk: int) -> Optional[Tensor]:
+    """The kept buffer for the fast backward, or None (lean) for the empty [0] tensor."""
+    if logits.numel() == 0:
         return None
-    if tuple(logits.shape) != (hidden.shape[0], v) or logits.dtype != kept_logits_dtype(hidden.dtype):
-        raise ValueError(f"logits must be the kept logits [{hidden.shape[0]}, {v}] "
-                         f"{kept_logits_dtype(hidden.dtype)} or an empty [0] tensor (lean backward), got "
-                         f"{tuple(logits.shape)} {logits.dtype}")
+    want = kept_bytes(hidden.shape[0], v, chunk, hidden.dtype, hidden.device)
+    if tuple(logits.shape) != (want,) or logits.dtype != torch.uint8:
+        raise ValueError(f"logits must be the forward's kept buffer, uint8 [{want}], or an empty [0] tensor "
+                         f"(lean backward), got {tuple(logits.shape)} {logits.dtype}")
     return logits
 
 
@@ -106,14 +107,14 @@ def _temp(temperature: Tensor) -> Tensor:
 
 def _forward_stats(hidden, weight, bias, targets, temperature, vocab_start, real_vocab, chunk, ignore_index,
                    with_entropy, keep_logits, combine_into=()):
-    """(stats, target_logit, kept logits); with combine_into = (logp, lse, entropy) (a call over the
-    whole vocab) the same C++ call also combines the statistics into them."""
+    """(stats, target_logit, kept buffer); with combine_into = (logp, entropy, m, log_s) (a call over
+    the whole vocab) the same C++ call also combines the statistics into them."""
     n, v = hidden.shape[0], weight.shape[0]
     if chunk <= 0 or v % chunk:
         raise ValueError(f"chunk {chunk} must divide the local vocab {v}")
     stats = torch.empty((n, v // chunk, W), dtype=F32, device=hidden.device)
     tl = torch.empty((n,), dtype=F32, device=hidden.device)
-    logits = _logits_like(hidden, v, keep_logits)
+    logits = _logits_like(hidden, v, chunk, keep_logits)
     if n == 0:
         return stats, tl, logits
     forward_into(hidden, weight, bias, targets, _temp(temperature), stats, tl, logits if keep_logits else None,
@@ -126,7 +127,7 @@ def forward_into(hidden, weight, bias32, targets, temperature32, stats, tl, logi
                  real_vocab, chunk, ignore_index, with_entropy, combine_into=()) -> None:
     """The compiled forward writing into buffers the caller owns (the rollout path allocates nothing):
     stats [n, v/chunk, W] f32, tl [n] f32, logits (kept) or None, workspace (CUDA scratch bytes) or
-    None; with combine_into = (logp, lse, entropy) the same call combines the whole vocab into them.
+    None; with combine_into = (logp, entropy, m, log_s) the same call combines the whole vocab into them.
     temperature32 [n] f32 contiguous, targets [n] int32; a non-contiguous input is copied (allocates)."""
     with _on(hidden):
         core.forward(_c(hidden), _c(weight), _c(bias32), _c(targets), temperature32, stats, tl, logits, workspace,
@@ -134,11 +135,11 @@ def forward_into(hidden, weight, bias32, targets, temperature32, stats, tl, logi
                      _stream(hidden), *combine_into)
 
 
-def combine_to(stats, target_logit, targets, logp, lse, ent, real_vocab, ignore_index) -> None:
-    """rlk::combine writing into the caller's [n] f32 buffers."""
+def combine_to(stats, target_logit, targets, logp, ent, m, log_s, real_vocab, ignore_index) -> None:
+    """rlk::combine writing into the caller's [n] f32 buffers (logp, entropy, m, log_s)."""
     with _on(stats):
-        core.combine(_c(stats), _c(target_logit), _c(targets), logp, lse, ent, int(real_vocab), int(ignore_index),
-                     _stream(stats))
+        core.combine(_c(stats), _c(target_logit), _c(targets), logp, ent, m, log_s, int(real_vocab),
+                     int(ignore_index), _stream(stats))
 
 
 @torch.library.custom_op("rlk::forward_stats", mutates_args=())
@@ -146,7 +147,7 @@ def forward_stats(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], target
                   vocab_start: int, real_vocab: int, chunk: int, ignore_index: int, with_entropy: bool,
                   keep_logits: bool) -> Tuple[Tensor, Tensor, Tensor]:
     """(stats [n, v/chunk, 3] f32, target_logit [n] f32 (0 unless the target is in this shard),
-    kept logits [n, v] or [0])."""
+    kept buffer uint8 [kept_bytes] or [0])."""
     return _forward_stats(hidden, weight, bias, targets, temperature, vocab_start, real_vocab, chunk, ignore_index,
                           with_entropy, keep_logits)
 
@@ -156,38 +157,40 @@ def _(hidden, weight, bias, targets, temperature, vocab_start, real_vocab, chunk
       keep_logits):
     n, v = hidden.shape[0], weight.shape[0]
     return (hidden.new_empty((n, v // chunk, W), dtype=F32), hidden.new_empty((n,), dtype=F32),
-            _logits_like(hidden, v, keep_logits))
+            _logits_like(hidden, v, chunk, keep_logits))
 
 
 # ---- rlk::combine ---------------------------------------------------------------------------------
 
 def _combine(stats, target_logit, targets, real_vocab, ignore_index):
     n = stats.shape[0]
-    logp, lse, ent = (torch.empty((n,), dtype=F32, device=stats.device) for _ in range(3))
+    out = tuple(torch.empty((n,), dtype=F32, device=stats.device) for _ in range(4))
     if n == 0:
-        return logp, lse, ent
-    combine_to(stats, target_logit, targets, logp, lse, ent, real_vocab, ignore_index)
-    return logp, lse, ent
+        return out
+    combine_to(stats, target_logit, targets, *out, real_vocab, ignore_index)
+    return out
 
 
 @torch.library.custom_op("rlk::combine", mutates_args=())
 def combine(stats: Tensor, target_logit: Tensor, targets: Tensor, real_vocab: int,
-            ignore_index: int) -> Tuple[Tensor, Tensor, Tensor]:
+            ignore_index: int) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(logp, entropy, m, log_s) [n] f32: m the row max, log_s = log sum exp(z - m) (lse = m + log_s),
+    what the backward takes."""
     return _combine(stats, target_logit, targets, real_vocab, ignore_index)
 
 
 @combine.register_fake
 def _(stats, target_logit, targets, real_vocab, ignore_index):
     n = stats.shape[0]
-    return tuple(stats.new_empty((n,), dtype=F32) for _ in range(3))
+    return tuple(stats.new_empty((n,), dtype=F32) for _ in range(4))
 
 
 # ---- rlk::linear_logp_backward --------------------------------------------------------------------
 
-def _backward(hidden, weight, bias, targets, temperature, lse, entropy, g, e, logits, vocab_start, real_vocab, chunk,
-              ignore_index, dhidden_f32):
+def _backward(hidden, weight, bias, targets, temperature, m, log_s, entropy, g, e, logits, vocab_start, real_vocab,
+              chunk, ignore_index, dhidden_f32):
     n, h, v = hidden.shape[0], hidden.shape[1], weight.shape[0]
-    kept = _kept(logits, hidden, v)
+    kept = _kept(logits, hidden, v, chunk)
     dev = hidden.device
     dh = torch.empty((n, h), dtype=F32 if dhidden_f32 else hidden.dtype, device=dev)
     dw = torch.empty((v, h), dtype=weight.dtype, device=dev)
@@ -198,7 +201,7 @@ def _backward(hidden, weight, bias, targets, temperature, lse, entropy, g, e, lo
         return dh, dw, db, dtemp
     with_entropy = entropy is not None and e is not None
     with _on(hidden):
-        core.backward(_c(hidden), _c(weight), _c(bias), _c(targets), _temp(temperature), _c(lse),
+        core.backward(_c(hidden), _c(weight), _c(bias), _c(targets), _temp(temperature), _c(m), _c(log_s),
                       _c(entropy) if with_entropy else None,
                       _c(g.to(F32)), _c(e.to(F32)) if with_entropy else None, kept, dh, dw,
                       db if bias is not None else None, dtemp,
@@ -210,20 +213,21 @@ def _backward(hidden, weight, bias, targets, temperature, lse, entropy, g, e, lo
 
 @torch.library.custom_op("rlk::linear_logp_backward", mutates_args=("logits",))
 def linear_logp_backward(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], targets: Tensor,
-                         temperature: Tensor, lse: Tensor, entropy: Optional[Tensor], g: Tensor,
+                         temperature: Tensor, m: Tensor, log_s: Tensor, entropy: Optional[Tensor], g: Tensor,
                          e: Optional[Tensor], logits: Tensor, vocab_start: int, real_vocab: int, chunk: int,
                          ignore_index: int, dhidden_f32: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """(dhidden [n, h] partial over this shard's vocab, dweight [v, h] in weight's dtype,
     dbias [v] f32 ([0] without bias), dtemperature [n] f32 partial).
     dhidden is f32 with dhidden_f32 (a vocab shard's part, to be summed over shards), else in
     hidden's dtype, rounded once from the f32 sum (no f32 [n, h] buffer).
-    logits: the forward's kept logits (fast; overwritten on CUDA) or an empty [0] tensor (lean)."""
-    return _backward(hidden, weight, bias, targets, temperature, lse, entropy, g, e, logits, vocab_start, real_vocab,
-                     chunk, ignore_index, dhidden_f32)
+    m, log_s: the combine's (the row max and log sum exp(z - m)).
+    logits: the forward's kept buffer (fast; overwritten on CUDA) or an empty [0] tensor (lean)."""
+    return _backward(hidden, weight, bias, targets, temperature, m, log_s, entropy, g, e, logits, vocab_start,
+                     real_vocab, chunk, ignore_index, dhidden_f32)
 
 
 @linear_logp_backward.register_fake
-def _(hidden, weight, bias, targets, temperature, lse, entropy, g, e, logits, vocab_start, real_vocab, chunk,
+def _(hidden, weight, bias, targets, temperature, m, log_s, entropy, g, e, logits, vocab_start, real_vocab, chunk,
       ignore_index, dhidden_f32):
     n, h, v = hidden.shape[0], hidden.shape[1], weight.shape[0]
     return (hidden.new_empty((n, h), dtype=F32 if dhidden_f32 else hidden.dtype), weight.new_empty((v, h)),
@@ -235,22 +239,23 @@ def _(hidden, weight, bias, targets, temperature, lse, entropy, g, e, logits, vo
 @torch.library.custom_op("rlk::linear_logp", mutates_args=())
 def linear_logp(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], targets: Tensor, temperature: Tensor,
                 real_vocab: int, chunk: int, ignore_index: int, with_entropy: bool,
-                keep_logits: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(logp, entropy, lse, logits): [n] f32 each, entropy zeros unless with_entropy, and the kept
-    logits [n, v] for the fast backward ([0] unless keep_logits). No autograd of its own: see
-    LinearLogp."""
-    logp, lse, ent = (torch.empty((hidden.shape[0],), dtype=F32, device=hidden.device) for _ in range(3))
+                keep_logits: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(logp, entropy, m, log_s, logits): [n] f32 each, entropy zeros unless with_entropy, m and
+    log_s the row's max and log sum exp(z - m) (the backward's), and the kept buffer for the fast
+    backward ([0] unless keep_logits). No autograd of its own: see LinearLogp."""
+    logp, ent, m, log_s = (torch.empty((hidden.shape[0],), dtype=F32, device=hidden.device) for _ in range(4))
     _, _, logits = _forward_stats(hidden, weight, bias, targets, temperature, 0, real_vocab, chunk, ignore_index,
-                                  with_entropy, keep_logits, combine_into=(logp, lse, ent))
+                                  with_entropy, keep_logits, combine_into=(logp, ent, m, log_s))
     if not with_entropy:
         ent.zero_()
-    return logp, ent, lse, logits
+    return logp, ent, m, log_s, logits
 
 
 @linear_logp.register_fake
 def _(hidden, weight, bias, targets, temperature, real_vocab, chunk, ignore_index, with_entropy, keep_logits):
     n = hidden.shape[0]
-    return (*(hidden.new_empty((n,), dtype=F32) for _ in range(3)), _logits_like(hidden, weight.shape[0], keep_logits))
+    return (*(hidden.new_empty((n,), dtype=F32) for _ in range(4)),
+            _logits_like(hidden, weight.shape[0], chunk, keep_logits))
 
 
 class KeptLogits:
@@ -297,9 +302,10 @@ class LinearLogp(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias32, temperature, targets, real_vocab: int, chunk: int, ignore_index: int,
                 with_entropy: bool, keep_logits: bool):
-        logp, ent, lse, logits = torch.ops.rlk.linear_logp(hidden, weight, bias32, targets, temperature, real_vocab,
-                                                           chunk, ignore_index, with_entropy, keep_logits)
-        ctx.save_for_backward(hidden, weight, bias32, temperature, targets, lse, ent, logits)
+        logp, ent, m, log_s, logits = torch.ops.rlk.linear_logp(hidden, weight, bias32, targets, temperature,
+                                                                real_vocab, chunk, ignore_index, with_entropy,
+                                                                keep_logits)
+        ctx.save_for_backward(hidden, weight, bias32, temperature, targets, m, log_s, ent, logits)
         ctx.cfg = (real_vocab, chunk, ignore_index, with_entropy)
         KeptLogits.setup(ctx, keep_logits)
         return logp, ent
@@ -307,13 +313,13 @@ class LinearLogp(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g, e):
         KeptLogits.claim(ctx)
-        hidden, weight, bias32, temperature, targets, lse, ent, logits = ctx.saved_tensors
+        hidden, weight, bias32, temperature, targets, m, log_s, ent, logits = ctx.saved_tensors
         real_vocab, chunk, ignore_index, with_entropy = ctx.cfg
-        g = torch.zeros_like(lse) if g is None else g.contiguous()
+        g = torch.zeros_like(m) if g is None else g.contiguous()
         if with_entropy:
-            e = torch.zeros_like(lse) if e is None else e.contiguous()
+            e = torch.zeros_like(m) if e is None else e.contiguous()
         dh, dw, db, dtemp = torch.ops.rlk.linear_logp_backward(
-            hidden, weight, bias32, targets, temperature, lse, ent if with_entropy else None, g,
+            hidden, weight, bias32, targets, temperature, m, log_s, ent if with_entropy else None, g,
             e if with_entropy else None, KeptLogits.for_backward(ctx, logits), 0, real_vocab, chunk, ignore_index, False)
         return (dh, dw, (db if bias32 is not None else None), dtemp, None, None, None, None, None,
                 None)

@@ -48,9 +48,10 @@ def linear_logp(hidden, weight, targets, *, bias=None, temperature=1.0, ignore_i
     (and gradients) and records per call, in route_stats()["audit"], how many rows' logp equal
     the reference's bit for bit and the mean and max |logp - reference logp|.
     backward: how the fused backward gets the logits. "lean" recomputes them chunk by chunk (small
-    workspace); "fast" has the forward keep this shard's logits [n, V_local] (fp16, 2 bytes each,
-    for bf16/fp16 inputs; fp32, 4 bytes each, for fp32) until the backward, which reads them instead (on CUDA it overwrites
-    them: one backward per forward, retain_graph=True and a second backward raise);
+    workspace); "fast" has the forward keep what the backward needs of this shard's logits (about
+    n * V_local * 2 bytes for bf16/fp16 inputs, 4 for fp32; _args.kept_bytes) until the backward,
+    which reads it instead (on CUDA it overwrites it: one backward per forward, retain_graph=True
+    and a second backward raise);
     "auto" (default) is fast when those bytes fit backward_memory_budget (bytes; None: env
     RLK_BACKWARD_MEMORY_BUDGET, else 4 GiB), else lean. Nothing is kept when no gradient is needed.
     """
@@ -58,7 +59,7 @@ def linear_logp(hidden, weight, targets, *, bias=None, temperature=1.0, ignore_i
     return_entropy = common.check_flag("return_entropy", return_entropy)
     a = parse(hidden, weight, targets, bias=bias, temperature=temperature, ignore_index=ignore_index,
               vocab_start=vocab_start, real_vocab_size=real_vocab_size, tp_group=tp_group)
-    keep_logits = resolve_backward(backward, a.n, a.weight.shape[0], a.hidden.dtype,
+    keep_logits = resolve_backward(backward, a.n, a.weight.shape[0], a.chunk, a.hidden.dtype, a.hidden.device,
                                    backward_memory_budget) == "fast" and _needs_grad(a)
     eager = not torch.compiler.is_compiling()
     if mode == "audit" and not eager:
@@ -128,8 +129,8 @@ class _TPConfig:
 
 
 def tp_forward(hidden, weight, bias32, temperature, targets, cfg: _TPConfig):
-    """(logp, lse, entropy) of one rank's shard, the statistics combined over cfg.group, and the
-    shard's kept logits ([0] unless cfg.keep_logits)."""
+    """(logp, entropy, m, log_s) of one rank's shard, the statistics combined over cfg.group, and
+    the shard's kept buffer ([0] unless cfg.keep_logits)."""
     import torch.distributed as dist
     stats, tl, logits = torch.ops.rlk.forward_stats(hidden, weight, bias32, targets, temperature, cfg.vocab_start,
                                                     cfg.real_vocab, cfg.chunk, cfg.ignore_index, cfg.with_entropy,
@@ -147,10 +148,10 @@ def tp_forward(hidden, weight, bias32, temperature, targets, cfg: _TPConfig):
 class _VocabParallel(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias32, temperature, targets, cfg: _TPConfig):
-        logp, lse, ent, logits = tp_forward(hidden, weight, bias32, temperature, targets, cfg)
+        logp, ent, m, log_s, logits = tp_forward(hidden, weight, bias32, temperature, targets, cfg)
         if not cfg.with_entropy:
             ent = torch.zeros_like(logp)
-        ctx.save_for_backward(hidden, weight, bias32, temperature, targets, lse, ent, logits)
+        ctx.save_for_backward(hidden, weight, bias32, temperature, targets, m, log_s, ent, logits)
         ctx.cfg = cfg
         _ops.KeptLogits.setup(ctx, cfg.keep_logits)
         return logp, ent
@@ -159,13 +160,13 @@ class _VocabParallel(torch.autograd.Function):
     def backward(ctx, g, e):
         import torch.distributed as dist
         _ops.KeptLogits.claim(ctx)
-        hidden, weight, bias32, temperature, targets, lse, ent, logits = ctx.saved_tensors
+        hidden, weight, bias32, temperature, targets, m, log_s, ent, logits = ctx.saved_tensors
         cfg = ctx.cfg
-        g = torch.zeros_like(lse) if g is None else g.contiguous()
+        g = torch.zeros_like(m) if g is None else g.contiguous()
         if cfg.with_entropy:
-            e = torch.zeros_like(lse) if e is None else e.contiguous()
+            e = torch.zeros_like(m) if e is None else e.contiguous()
         dh, dw, db, dtemp = torch.ops.rlk.linear_logp_backward(
-            hidden, weight, bias32, targets, temperature, lse, ent if cfg.with_entropy else None, g,
+            hidden, weight, bias32, targets, temperature, m, log_s, ent if cfg.with_entropy else None, g,
             e if cfg.with_entropy else None, _ops.KeptLogits.for_backward(ctx, logits), cfg.vocab_start,
             cfg.real_vocab, cfg.chunk, cfg.ignore_index, True)  # f32 partials: summed over the shards
         if cfg.reduce_grad_hidden and ctx.needs_input_grad[0]:

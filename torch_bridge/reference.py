@@ -1,6 +1,12 @@
 """The reference: plain torch with materialized fp32 logits. The oracle of the tests, the `off`
 path and the fallback of `auto`.
 
+Its logits are full fp32 whatever torch's global matmul precision (torch.set_float32_matmul_precision,
+allow_tf32): fp16, fp32 and float64 operands are multiplied in float64 and rounded once to fp32
+(the same bits under "highest", "high" and "medium"); bf16 operands are exact in every internal
+format torch may pick (TF32, bf16) and accumulate in fp32 (under "medium" possibly in another
+order), and stay on the fp32 path, half the cost of float64, for the common bf16 fallback.
+
 Same signature and semantics as torch_bridge.linear_logp. With `tp_group`, the weight is this
 rank's vocab shard and the row statistics (max, sum-exp, target logit, sum p z) are combined with
 all-reduces; the full dH is all-reduced over the group unless reduce_grad_hidden=False.
@@ -31,13 +37,19 @@ def rows(a: Args, with_entropy: bool, reduce_grad_hidden: bool = True):
     """logp and entropy ([n] f32 each; entropy zeros when not asked) of parsed arguments."""
     group = a.tp_group
     hidden = _dist.copy_to(a.hidden, group) if reduce_grad_hidden else a.hidden
-    # fp32 operands (exact for bf16/fp16 values) and fp32 accumulation, like the kernels.
-    logits = hidden.to(F32) @ a.weight.to(F32).T
+    logits = _logits(hidden, a.weight)
     if a.bias is not None:
         logits = logits + a.bias.to(F32)
     return logits_rows(logits, a.targets, _dist.copy_to(a.temperature, group), vocab_start=a.vocab_start,
                        real_vocab=a.real_vocab, ignore_index=a.ignore_index, tp_group=group,
                        with_entropy=with_entropy)
+
+
+def _logits(hidden, weight):
+    """hidden @ weight.T in fp32 whatever the global matmul precision (see the module docstring)."""
+    if hidden.dtype == torch.bfloat16:
+        return hidden.to(F32) @ weight.to(F32).T
+    return (hidden.to(torch.float64) @ weight.to(torch.float64).T).to(F32)
 
 
 def logits_rows(logits, targets, temperature, *, vocab_start=0, real_vocab=None, ignore_index=-100, tp_group=None,

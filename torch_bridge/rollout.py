@@ -31,12 +31,13 @@ PAD_ID = common.PAD_ID  # padding rows carry it (logp 0, entropy 0) or any real 
 
 @dataclasses.dataclass(frozen=True)
 class ScoreBuffers:
-    """Everything one score_sampled call writes, for `rows` rows: the results (logp, entropy, lse:
-    [rows] f32) and the scratch (int32 ids, f32 temperature, the per-chunk statistics, the target
+    """Everything one score_sampled call writes, for `rows` rows: the results (logp, entropy, and the
+    row max m and log_s: [rows] f32) and the scratch (int32 ids, f32 temperature, the per-chunk statistics, the target
     logit, under TP the statistics of the whole vocab, the fp32 bias and the CUDA workspace)."""
     logp: Tensor
     entropy: Tensor
-    lse: Tensor
+    m: Tensor
+    log_s: Tensor
     ids: Tensor
     temperature: Tensor
     stats: Tensor
@@ -103,7 +104,7 @@ def score_buffers(rows: int, weight: Tensor, *, bias: Optional[Tensor] = None, t
 
     nbytes = _workspace_bytes(rows, weight, bias is not None, return_entropy, tp)
     return ScoreBuffers(
-        logp=f32(rows), entropy=f32(rows), lse=f32(rows), ids=torch.zeros((rows,), dtype=torch.int32, device=dev),
+        logp=f32(rows), entropy=f32(rows), m=f32(rows), log_s=f32(rows), ids=torch.zeros((rows,), dtype=torch.int32, device=dev),
         temperature=torch.ones((rows,), dtype=F32, device=dev), stats=f32(rows, weight.shape[0] // chunk, _ops.W),
         target_logit=f32(rows), full_stats=f32(rows, k_global, _ops.W) if tp > 1 else f32(0),
         bias32=f32(weight.shape[0]) if bias is not None and weight.dtype != F32 else None,
@@ -167,7 +168,7 @@ def _score(b: ScoreBuffers, hidden, weight, ids, temperature, bias, tp_group, v_
     chunk, _ = _chunking(weight, b.tp)
     if b.tp == 1:
         _ops.forward_into(hidden, weight, bias32, b.ids, b.temperature, b.stats, b.target_logit, None, b.workspace,
-                          0, real, chunk, PAD_ID, with_entropy, (b.logp, b.lse, b.entropy))
+                          0, real, chunk, PAD_ID, with_entropy, (b.logp, b.entropy, b.m, b.log_s))
         return
     import torch.distributed as dist
     _ops.forward_into(hidden, weight, bias32, b.ids, b.temperature, b.stats, b.target_logit, None, b.workspace,
@@ -177,4 +178,4 @@ def _score(b: ScoreBuffers, hidden, weight, ids, temperature, bias, tp_group, v_
     b.full_stats[:, off:off + k_local].copy_(b.stats)
     dist.all_reduce(b.full_stats, op=dist.ReduceOp.SUM, group=tp_group)
     dist.all_reduce(b.target_logit, op=dist.ReduceOp.SUM, group=tp_group)
-    _ops.combine_to(b.full_stats, b.target_logit, b.ids, b.logp, b.lse, b.entropy, real, PAD_ID)
+    _ops.combine_to(b.full_stats, b.target_logit, b.ids, b.logp, b.entropy, b.m, b.log_s, real, PAD_ID)

@@ -6,11 +6,19 @@
 // Math (all in fp32; operands in their own dtype, fp32 accumulation), per row i:
 //   z_j    = (h_i . W_j + b_j) * inv_temp_i        global id j >= real_vocab -> -inf (padding)
 //            inv_temp_i = reciprocal(T_i), formed by the kernels themselves (see reciprocal)
-//   lse_i  = log sum_j exp(z_j)
-//   logp_i = z_{t_i} - lse_i ;  ent_i = lse_i - sum_j p_j z_j
-//   dz_j   = g_i (delta_{j t_i} - p_j) + e_i p_j (lse_i - ent_i - z_j)
+//   m_i    = max_j z_j ;  log_s_i = log sum_j exp(z_j - m_i)   (lse_i = m_i + log_s_i)
+//   logp_i = (z_{t_i} - m_i) - log_s_i ;  ent_i = log_s_i - sum_j p_j (z_j - m_i)
+//   p_j    = exp((z_j - m_i) - log_s_i)
+//   dz_j   = g_i (delta_{j t_i} - p_j) + e_i p_j ((log_s_i - ent_i) - (z_j - m_i))
 //   dlogit_j = dz_j * inv_temp_i ; dH = dlogit W ; dW = dlogit^T H ; db = sum_i dlogit
 //   dT_i   = -inv_temp_i * sum_j dz_j z_j
+//
+// Everything is formed from row-max-relative quantities (z - m, log_s), never from z - lse with lse
+// rounded at the magnitude of m: a logp near 0 keeps its own precision at any |z|.
+//
+// Non-finite values propagate: a row whose logits or statistics are not finite (NaN or +inf in
+// hidden, weight or bias, a NaN, 0 or overflowing 1/T) gives NaN logp and entropy, and NaN
+// gradients; a logit of -inf is a probability of 0, like padding.
 //
 // Canonical chunks (the consistency contract): the global padded vocab is cut into chunks of a
 // width that depends on the global vocab size only (canonical_chunk). The forward emits per-(row,
@@ -35,11 +43,6 @@ enum class DType : int32_t { kF32 = 0, kF16 = 1, kBF16 = 2 };
 
 inline size_t dtype_bytes(DType t) { return t == DType::kF32 ? 4 : 2; }
 
-// Kept logits (the fast backward's input, see FwdArgs::logits): fp16 for 16-bit operands — fp16
-// rather than bf16 for its three more mantissa bits, |z| <= 65504 (larger values saturate) — and
-// fp32 for fp32 operands.
-inline DType logits_dtype(DType t) { return t == DType::kF32 ? DType::kF32 : DType::kF16; }
-constexpr float kMaxKeptLogit = 65504.f;
 
 // One call: n rows of hidden [n, h] against this shard's v vocab rows of weight [v, h].
 struct Problem {
@@ -82,10 +85,11 @@ RLK_HD TargetKind classify_target(int64_t t, int64_t real_vocab, int64_t ignore_
   return TargetKind::kValid;
 }
 
-// Merge statistics (m2, s2, a2) into (m, s, a); used in a fixed order only.
+// Merge statistics (m2, s2, a2) into (m, s, a); used in a fixed order only. Empty statistics
+// (s2 = 0: only padding) change nothing; NaN statistics make the result NaN.
 RLK_HD void stats_merge(float m2, float s2, float a2, float& m, float& s, float& a) {
-  if (!(s2 > 0.f)) return;
-  if (!(s > 0.f)) { m = m2; s = s2; a = a2; return; }
+  if (s2 == 0.f) return;
+  if (s == 0.f) { m = m2; s = s2; a = a2; return; }
   if (m2 > m) {
     const float d = m - m2, alpha = expf(d);
     a = alpha * (a + d * s) + a2;
@@ -109,31 +113,36 @@ RLK_HD float reciprocal(float t) {
 #endif
 }
 
-struct RowResult { float logp, lse, entropy; };
+// The row results: logp and entropy, and the row's m and log_s (the backward's p, see dz_of).
+struct RowResult { float logp, entropy, m, log_s; };
 
 // Combine k chunk statistics of one row (stats: k * kStatWidth floats, chunk order) and the
-// target logit into logp, lse and entropy. Every backend and every TP degree calls this.
+// target logit into a RowResult. Every backend and every TP degree calls this.
 RLK_HD RowResult combine_row(const float* stats, int64_t k, float target_logit, int64_t target,
                              int64_t real_vocab, int64_t ignore_index) {
   float m = -INFINITY, s = 0.f, a = 0.f;
   for (int64_t c = 0; c < k; ++c)
     stats_merge(stats[c * kStatWidth], stats[c * kStatWidth + 1], stats[c * kStatWidth + 2], m, s, a);
-  const float log_s = logf(s);
   RowResult r;
-  r.lse = m + log_s;
-  r.entropy = log_s - a / s;  // = lse - sum p z, without adding and removing m
+  r.m = m;
+  r.log_s = logf(s);
+  r.entropy = r.log_s - a / s;  // = lse - sum p z, without adding and removing m
+  // (z_t - m) - log_s: z_t - m is exact or rounded at its own magnitude, so a logp near 0 is not
+  // rounded at |m|. The target's z is a separate dot, so it may exceed m by a rounding: logp <= 0
+  // by a NaN-keeping clamp (fminf(NaN, 0) would be 0).
+  const float logp = (target_logit - m) - r.log_s;
   switch (classify_target(target, real_vocab, ignore_index)) {
     case TargetKind::kIgnored: r.logp = 0.f; r.entropy = 0.f; break;
     case TargetKind::kInvalid: r.logp = NAN; r.entropy = NAN; break;
-    default: r.logp = fminf(target_logit - r.lse, 0.f); break;
+    default: r.logp = logp > 0.f ? 0.f : logp; break;
   }
   return r;
 }
 
-// dz for one logit z of row i (not padding), given p = exp(z - lse) (from whichever exp the
-// caller affords), the row's lse, entropy and upstream grads.
-RLK_HD float dz_of(float z, float p, bool is_target, float lse, float ent, float g, float e) {
-  return g * ((is_target ? 1.f : 0.f) - p) + e * p * (lse - ent - z);
+// dz for one logit of row i (not padding), given zm = z - m, p = exp(zm - log_s) (from whichever
+// exp the caller affords), the row's log_s, entropy and upstream grads.
+RLK_HD float dz_of(float zm, float p, bool is_target, float log_s, float ent, float g, float e) {
+  return g * ((is_target ? 1.f : 0.f) - p) + e * p * ((log_s - ent) - zm);
 }
 
 // ---- the calls -------------------------------------------------------------------------------
@@ -144,7 +153,8 @@ RLK_HD float dz_of(float z, float p, bool is_target, float lse, float ent, float
 //        temperature [n] f32 (> 0)
 //   out: stats [n, num_chunks, kStatWidth] f32; target_logit [n] f32 = z_t when the target is a
 //        real id of this shard, else 0 (so a sum over shards is exact); logits (null unless the
-//        fast backward will follow) [n, v] in logits_dtype: every z, clamped to +-kMaxKeptLogit.
+//        fast backward will follow): kept_bytes(p, backend) bytes, whatever the backward of that
+//        backend needs in its own layout (see kept_bytes).
 struct FwdArgs {
   const void* hidden = nullptr;
   const void* weight = nullptr;
@@ -156,35 +166,38 @@ struct FwdArgs {
   void* logits = nullptr;
 };
 
-// Combine: all chunks of the global vocab (k of them) -> logp, lse, entropy [n] f32.
+// Combine: all chunks of the global vocab (k of them) -> logp, entropy, m, log_s [n] f32 (m and
+// log_s: what the backward takes; each output may be null).
 struct CombineArgs {
   int64_t n = 0, k = 0, real_vocab = 0, ignore_index = -100;
   const float* stats = nullptr;         // [n, k, kStatWidth]
   const float* target_logit = nullptr;  // [n]
   const int32_t* targets = nullptr;     // [n]
   float* logp = nullptr;
-  float* lse = nullptr;
   float* entropy = nullptr;
+  float* m = nullptr;
+  float* log_s = nullptr;
 };
 
 // Backward. Rows whose target is ignored or invalid get no gradient.
-//   in : as forward, plus lse [n], entropy [n] (null when !with_entropy), g = dL/dlogp [n],
+//   in : as forward, plus the combine's m [n] and log_s [n], entropy [n] (null when !with_entropy), g = dL/dlogp [n],
 //        e = dL/dentropy [n] (null when !with_entropy)
 //   out: dhidden [n, h] in dhidden_dtype: f32 for a vocab shard's partial sum (the frontends add
 //        the shards' parts in f32), or the operand dtype for the whole vocab (rounded once from the
 //        f32 sum; no f32 [n, h] buffer leaves the backend), dweight [v, h] dtype,
 //        dbias [v] f32 (null when !has_bias), dtemp [n] f32 (may be null) = this shard's part of
 //        dT = -inv_temp * sum_j dz_j z_j (the frontends sum it over shards).
-//   Strategy: with `logits` (the forward's kept logits) the backward reads z instead of
-//   recomputing it ("fast"; the CUDA backend overwrites the buffer with dlogit, so it serves one
-//   backward); without, it recomputes z tile by tile ("lean").
+//   Strategy: with `logits` (the forward's kept buffer, kept_bytes of the backend) the backward
+//   reads it instead of recomputing z ("fast"; the CUDA backend overwrites the buffer with dlogit,
+//   so it serves one backward); without, it recomputes z tile by tile ("lean").
 struct BwdArgs {
   const void* hidden = nullptr;
   const void* weight = nullptr;
   const float* bias = nullptr;
   const int32_t* targets = nullptr;
   const float* temperature = nullptr;
-  const float* lse = nullptr;
+  const float* m = nullptr;
+  const float* log_s = nullptr;
   const float* entropy = nullptr;
   const float* g = nullptr;
   const float* e = nullptr;
@@ -216,6 +229,11 @@ RouteCounts read_counts(Backend b);
 void reset_counts();
 
 namespace cpu {
+// Bytes of the CPU backend's kept buffer (FwdArgs::logits, BwdArgs::logits): z [n, v] fp32 for
+// fp32 operands; for 16-bit operands a record per row of fp16 q = exp(z - tile max) with the
+// fp32 tile maxima, chunk moments and target logit (cpu/linear_logp_cpu.cc). Row-separable: the
+// bytes of n rows are n times those of one.
+size_t kept_bytes(const Problem& p);
 Status forward(const Problem& p, const FwdArgs& a);
 Status combine(const CombineArgs& a);
 Status backward(const Problem& p, const BwdArgs& a);
