@@ -11,6 +11,7 @@ inputs), and, with --time, the forward+backward time of each strategy at --shape
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 
 import torch
@@ -86,7 +87,7 @@ def main():
         e = errors(n, h, v, DTYPES[d], s, t)
         cells = " | ".join(f"{e['fast'][k]:.2e} | {e['lean'][k]:.2e}" for k in range(4))
         print(f"| {d} | {s:g} | {t:g} | {cells} |", flush=True)
-        print(f"  [{i + 1}/{len(cases)}]", end="\r", flush=True)
+        print(f"  [{i + 1}/{len(cases)}]", end="\r", file=sys.stderr, flush=True)
     if args.time:
         n, h, v = map(int, args.time_shape.split(","))
         for d, dt in DTYPES.items():
