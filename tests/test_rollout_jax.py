@@ -7,6 +7,7 @@ JAX trainer agree to the bit. Run with -s to see the figures."""
 import pytest
 
 pytest.importorskip("jax", reason="jax is not installed: these tests need it")
+pytest.importorskip("flax", reason="flax is not installed: the decode test needs it (scripts/test.sh installs it)")
 
 import dataclasses
 import functools
