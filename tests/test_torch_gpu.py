@@ -156,15 +156,7 @@ def test_cuda_graph_capture_and_replay(backward):
         dh, dw = torch.autograd.grad((logp * g).sum() + (ent * e).sum(), [h, w])
         return logp, ent, dh, dw
 
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            step()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static = step()
+    graph, static = _capture(step)
     for seed in (10, 11):
         d2, kw2, _, _ = make_inputs(seed, 300, 128, 2000, "bfloat16", bias=True, temp="array", ignore_frac=0.1,
                                     device=CUDA)
@@ -213,15 +205,7 @@ def test_vime_provider_captures_in_a_cuda_graph():
         dh, dw = torch.autograd.grad((r.logp[:, 0] * g).sum() + (r.entropy * e).sum(), [h, w])
         return r.logp, r.entropy, dh, dw
 
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            step()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static = step()
+    graph, static = _capture(step)
     d2, kw2, _, _ = make_inputs(14, 200, 128, 1024, "bfloat16", temp="array", device=CUDA)
     with torch.no_grad():
         h.copy_(d2["hidden"]), t.copy_(d2["targets"]), T.copy_(kw2["temperature"])
@@ -277,3 +261,17 @@ def test_bitwise_equal_to_rlk_xla(dtype, bias, temp, tmp_path):
         pytest.skip("jax has no GPU backend here")
     for k, x in theirs.items():
         np.testing.assert_array_equal(to_np(ours[k]), x, err_msg=k)
+
+
+def _capture(step):
+    """Warm `step` up on a side stream, then capture it: (the graph, its static outputs)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static = step()
+    return graph, static

@@ -10,11 +10,12 @@ pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip
 
 import contextlib
 import os
-import socket
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from subprocs import free_port
 
 # name: (tp, tied, real vocab of the padded 128). Sequence parallelism: _sequence_parallel at TP = 2.
 CASES = {"tp1_tied": (1, True, 120), "tp1_untied": (1, False, 128), "tp2_tied": (2, True, 120),
@@ -146,19 +147,13 @@ def _worker(rank, world, port, out_dir, names, device="cpu"):
         dist.destroy_process_group()
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     out = {}
     for tp in (1, 2):
         names = [n for n, c in CASES.items() if c[0] == tp]
         d = tmp_path_factory.mktemp(f"megatron_tp{tp}")
-        mp.spawn(_worker, args=(tp, _free_port(), str(d), names), nprocs=tp, join=True)
+        mp.spawn(_worker, args=(tp, free_port(), str(d), names), nprocs=tp, join=True)
         ranks = [torch.load(d / f"rank{r}.pt") for r in range(tp)]
         out.update({n: ranks for n in names})
     return out
@@ -176,7 +171,7 @@ def test_megatron_on_one_gpu(tmp_path):
     if not _rlk_core.has_cuda:
         pytest.skip("this build of _rlk_core has no CUDA backend")
     names = [n for n, c in CASES.items() if c[0] == 1]
-    mp.spawn(_worker, args=(1, _free_port(), str(tmp_path), names, "cuda"), nprocs=1, join=True)
+    mp.spawn(_worker, args=(1, free_port(), str(tmp_path), names, "cuda"), nprocs=1, join=True)
     res = torch.load(tmp_path / "rank0.pt")
     for name in names:
         _check([res], name)

@@ -8,7 +8,6 @@ import pytest
 pytest.importorskip("torch", reason="torch is not installed: these tests need it")
 
 import os
-import socket
 
 import torch
 import torch.distributed as dist
@@ -16,6 +15,7 @@ import torch.multiprocessing as mp
 
 import _rlk_core
 import oracle
+from subprocs import free_port
 import rollout_helpers as R
 import torch_bridge
 from torch_bridge import vime
@@ -137,18 +137,12 @@ def _worker(rank, world, port, out_dir):
         dist.destroy_process_group()
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def tp_results(tmp_path_factory):
     out = {}
     for world in (2, 4):
         d = tmp_path_factory.mktemp(f"tp{world}")
-        mp.spawn(_worker, args=(world, _free_port(), str(d)), nprocs=world, join=True)
+        mp.spawn(_worker, args=(world, free_port(), str(d)), nprocs=world, join=True)
         out[world] = [torch.load(d / f"rank{r}.pt", weights_only=False) for r in range(world)]  # our own files
     return out
 
@@ -271,7 +265,7 @@ def test_tp_rollout_scores_equal_tp1_trainer_rows(tp_results):
 
 def test_tp_arguments_are_checked():
     # vocab_start must be rank * V_local: checked before any collective (a 1-process gloo group)
-    port = _free_port()
+    port = free_port()
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     try:
         d, kw, g, e = _case_inputs("f16_odd_chunk")
