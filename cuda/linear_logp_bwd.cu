@@ -108,7 +108,9 @@ __global__ void __launch_bounds__(kRowThreads) dlogit_kernel(DlogitParams q) {
   const int64_t t = q.targets[row];
   const bool active = classify_target(t, q.real_vocab, q.ignore_index) == TargetKind::kValid;
   const float it = reciprocal(q.temperature[row]);
-  const float m = active ? q.m[row] : 0.f, log_s = active ? q.log_s[row] : 0.f, g = active ? q.g[row] : 0.f;
+  const float m = active ? q.m[row] : 0.f, log_s = active ? q.log_s[row] : 0.f;
+  // a row with non-finite statistics (a NaN row) gets NaN in every real column, -inf logits too
+  const float g = !active ? 0.f : isfinite(m) && isfinite(log_s) ? q.g[row] : NAN;
   const float ent = active && q.ent ? q.ent[row] : 0.f, e = active && q.e ? q.e[row] : 0.f;
   const ZT* zr = static_cast<const ZT*>(q.z) + row * q.ldz;
   T* dr = static_cast<T*>(q.dlog) + row * q.ldd;
@@ -126,9 +128,10 @@ __global__ void __launch_bounds__(kRowThreads) dlogit_kernel(DlogitParams q) {
     for (int k = 0; k < kVec; ++k) {
       float z = x[k];
       if (q.raw) z = (z + (q.bias && c0 + k < q.cols ? q.bias[c0 + k] : 0.f)) * it;
-      const bool live = k < nlive && z > -INFINITY;  // (-inf: a logit masked by the bias)
-      const float zm = z - m;
-      const float dz = live ? dz_of(zm, __expf(zm - log_s), k == kt, log_s, ent, g, e) : 0.f;
+      // -inf: probability 0 (a logit masked by the bias); NaN stays live
+      const bool live = k < nlive && !(z == -INFINITY);
+      const float zm = live ? z - m : 0.f;
+      const float dz = k < nlive ? dz_of(zm, live ? __expf(zm - log_s) : 0.f, k == kt, log_s, ent, g, e) : 0.f;
       if (live) dzz = fmaf(dz, z, dzz);
       x[k] = dz * it;
     }

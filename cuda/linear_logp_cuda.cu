@@ -65,10 +65,11 @@ __device__ __forceinline__ float warp_sum(float x) {
 
 template <typename T> const T* cptr(const void* p) { return static_cast<const T*>(p); }
 
-// Kept logits (FwdArgs::logits): kept_dtype of T, clamped to +-kMaxKeptLogit.
+// Kept logits (FwdArgs::logits): kept_dtype of T, clamped to +-kMaxKeptLogit; a NaN stays NaN
+// (fminf/fmaxf alone would turn it into a finite bound).
 template <typename T> using Kept = std::conditional_t<sizeof(T) == 4, float, __half>;
 template <typename T> __device__ __forceinline__ Kept<T> kept_of(float z) {
-  return from_f<Kept<T>>(fminf(fmaxf(z, -kMaxKeptLogit), kMaxKeptLogit));
+  return from_f<Kept<T>>(z != z ? z : fminf(fmaxf(z, -kMaxKeptLogit), kMaxKeptLogit));
 }
 
 // ---- forward: per-(row, split) partial statistics ---------------------------------------------

@@ -333,14 +333,15 @@ __device__ __forceinline__ RowGrad row_grad(const Params& P, const GradRows& G, 
   if (classify_target(r.target, P.real_vocab, G.ignore_index) != TargetKind::kValid) return r;
   const float lse = G.m[row] + G.log_s[row];
   r.lse2 = lse * kLog2e;
-  r.g = G.g[row];
+  // a row with non-finite statistics (a NaN row) gets NaN in every real column, -inf logits too
+  r.g = isfinite(G.m[row]) && isfinite(G.log_s[row]) ? G.g[row] : NAN;
   if (G.e) { r.e = G.e[row]; r.c = lse - G.ent[row]; }
   return r;
 }
 // Row r (0: A, 1: B) of the lane's values in half `half` of the tile to dlogit in place; dzz
 // accumulates sum_j dz_j z_j of the lane's columns (for dT), in column order.
-__device__ __forceinline__ void dlogit_row(float* d, int r, int half, int64_t t0, const Params& P, const RowGrad& g,
-                                           float& dzz) {
+__device__ __forceinline__ void dlogit_row(float* d, int r, int half, int64_t t0, int64_t col_end, const Params& P,
+                                           const RowGrad& g, float& dzz) {
   const int64_t rel = g.target - (P.vocab_start + t0 + 2 * (threadIdx.x % 4));
   const int tcol = rel >= 0 && rel < kBN ? int(rel) : -1;  // the target in this lane's numbering 8j + e, or -1
 #pragma unroll
@@ -352,8 +353,14 @@ __device__ __forceinline__ void dlogit_row(float* d, int r, int half, int64_t t0
       const float zl = d[q];
       const float p = ex2(zl - g.lse2), z = zl * kLn2;
       float dz = fmaf(g.e * p, g.c - z, g.g * ((8 * j + e == tcol ? 1.f : 0.f) - p));
-      dz = zl > -INFINITY ? dz : 0.f;  // padding (and a -inf bias) gets no gradient
-      dzz = fmaf(dz, zl > -INFINITY ? z : 0.f, dzz);
+      // -inf: padding, or a logit of probability 0 (a -inf bias), no gradient; in a NaN row a real
+      // column's is NaN (the CPU backend's rule). NaN logits stay live.
+      const bool live = !(zl == -INFINITY);
+      if (!live) {
+        const int64_t col = t0 + 8 * j + 2 * (threadIdx.x % 4) + e;
+        dz = g.g != g.g && col < col_end && P.vocab_start + col < P.real_vocab ? NAN : 0.f;
+      }
+      dzz = fmaf(dz, live ? z : 0.f, dzz);
       d[q] = dz * g.it;
     }
   }
@@ -380,8 +387,8 @@ __device__ __forceinline__ void epilogue(float* d, int64_t t0, int64_t col_end, 
     const int64_t rowA = row0 + (threadIdx.x % 128) / 32 * 16 + (threadIdx.x % 32) / 4;
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-      dlogit_row(d, 0, half, t0, P, row_grad(P, G, rowA), st.dzz[0]);
-      dlogit_row(d, 1, half, t0, P, row_grad(P, G, rowA + 8), st.dzz[1]);
+      dlogit_row(d, 0, half, t0, col_end, P, row_grad(P, G, rowA), st.dzz[0]);
+      dlogit_row(d, 1, half, t0, col_end, P, row_grad(P, G, rowA + 8), st.dzz[1]);
       store_half(d, PackDtype<kBf16>{}, half, t0, col_end, P, tmO, buf, cw, row0);
     }
   } else {

@@ -9,14 +9,10 @@ pytest.importorskip("torch", reason="torch is not installed: these tests need it
 import numpy as np
 import torch
 
-import _rlk_core
 import torch_bridge
+from torch_helpers import GPU
 
 N, H, V = 70, 24, 300  # two row blocks, odd sizes
-GPU = pytest.param("cuda", marks=[
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (torch.cuda.is_available() is False)"),
-    pytest.mark.skipif(not _rlk_core.has_cuda, reason="this build of _rlk_core has no CUDA backend")])
 DEVICES = ["cpu", GPU]
 
 

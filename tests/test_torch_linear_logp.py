@@ -15,7 +15,7 @@ import oracle
 import torch_bridge
 from torch_bridge import _ops  # noqa: F401
 from oracle import case_grid
-from torch_helpers import check_against_oracle, make_inputs, to_np, value_and_grads
+from torch_helpers import GPU, check_against_oracle, make_inputs, to_np, value_and_grads
 
 
 @pytest.mark.parametrize("backward", ["lean", "fast"])
@@ -231,8 +231,8 @@ def test_import_does_not_import_jax():
 
 # ---- torch.library: opcheck and torch.compile ------------------------------------------------------
 
-def _op_samples():
-    d, kw, g, e = make_inputs(7, 13, 24, 300, "float32", bias=True, temp="array", ignore_frac=0.2)
+def _op_samples(device):
+    d, kw, g, e = make_inputs(7, 13, 24, 300, "float32", bias=True, temp="array", ignore_frac=0.2, device=device)
     h, w, b = d["hidden"], d["weight"], kw["bias"]
     t, T = d["targets"].to(torch.int32), kw["temperature"]
     chunk = 300 // 4  # canonical_chunk(300) = 75
@@ -240,7 +240,7 @@ def _op_samples():
     logp, ent, m, log_s = torch.ops.rlk.combine(stats, tl, t, 290, -100)
     hh, wh = h.half(), w.half()
     kept16 = torch.ops.rlk.forward_stats(hh, wh, None, t, T, 0, 290, chunk, -100, False, True)[2]
-    lean = torch.zeros(0, dtype=torch.uint8)
+    lean = torch.zeros(0, dtype=torch.uint8, device=device)
     return dict(
         forward_stats=[(h, w, b, t, T, 0, 290, chunk, -100, True, False),
                        (h.bfloat16(), w.bfloat16(), None, t, T, 0, 300, chunk, -100, False, True)],
@@ -277,10 +277,13 @@ def test_linear_logp_op_is_forward_stats_then_combine_bitwise():
         core.forward(*args, 300, 590, 75, -100, False, 0, *out)
 
 
+@pytest.mark.parametrize("device", ["cpu", GPU])
 @pytest.mark.parametrize("name", ["forward_stats", "combine", "linear_logp_backward", "linear_logp"])
-def test_opcheck(name):
+def test_opcheck(name, device):
+    """(On CUDA the fast backward overwrites its kept buffer: opcheck clones the arguments of every
+    check, so each gets its own.)"""
     op = getattr(torch.ops.rlk, name)
-    for args in _op_samples()[name]:
+    for args in _op_samples(device)[name]:
         torch.library.opcheck(op, args)
 
 

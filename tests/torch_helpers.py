@@ -7,7 +7,14 @@ pytest.importorskip("torch", reason="torch is not installed: these tests need it
 import numpy as np
 import torch
 
+import _rlk_core
+
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+# a `device` parameter value: the CUDA case of a test that also runs on the CPU
+GPU = pytest.param("cuda", marks=[
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (torch.cuda.is_available() is False)"),
+    pytest.mark.skipif(not _rlk_core.has_cuda, reason="this build of _rlk_core has no CUDA backend")])
 
 
 def make_inputs(seed, n, h, v, dtype="bfloat16", *, bias=False, temp="scalar", ignore_frac=0.0, real_vocab=None,
