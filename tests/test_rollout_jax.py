@@ -93,7 +93,7 @@ GPU = [pytest.mark.gpu, pytest.mark.skipif(not _has_gpu(), reason="needs a GPU b
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_padded_decode_rows_equal_trainer_rows_tp1_and_tp2(name):
-    check_rows(name, 2048, tps=(1, 2))  # the GPU test below uses 16384 rows
+    check_rows(name, 16384, tps=(1, 2))
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=GPU) for n in CASES])

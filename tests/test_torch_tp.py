@@ -128,7 +128,7 @@ def _worker(rank, world, port, out_dir):
             res[name + "/vime"] = _vime_fused(d, kw, g, group, rank, world)
             res[name + "/vime_logits"] = vime_logits_run(name, group, rank, world)
         for name in R.CASES:
-            d, kw = R.trainer_inputs(name, 2048)
+            d, kw = R.trainer_inputs(name, 16384)
             for i, live in enumerate(R.LIVE):
                 res[f"rollout/{name}/{live}"] = R.score(name, d, kw, live, seed=i, tp_group=group, rank=rank,
                                                         world=world)
@@ -255,7 +255,7 @@ def test_tp_vime_logits_route_is_tp_invariant_and_exact(tp_results, name):
 def test_tp_rollout_scores_equal_tp1_trainer_rows(tp_results):
     """The engine at TP 2 or 4, the trainer at TP 1: the same bits on every live row."""
     for name in R.CASES:
-        d, kw = R.trainer_inputs(name, 2048)
+        d, kw = R.trainer_inputs(name, 16384)
         ref = R.trainer(name, d, kw)
         for world, ranks in tp_results.items():
             for r, res in enumerate(ranks):
