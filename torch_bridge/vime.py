@@ -51,7 +51,10 @@ import math
 import threading
 from typing import Any, Mapping, Optional
 
+import numpy as np
 import torch
+
+from rlk_common.routes import AuditLog
 
 from . import reference, routes
 from ._args import chunk_of, unsupported
@@ -400,7 +403,7 @@ _unavailable: collections.Counter = collections.Counter()
 _backends: collections.Counter = collections.Counter()
 _modes: collections.Counter = collections.Counter()
 _logged: set = set()
-_audit = routes.AuditLog()
+_audit = AuditLog()
 
 
 def _note(mode: str, tokens: int, backend_id: Optional[str], contract: Optional[str], reason: Optional[str]) -> None:
@@ -446,14 +449,14 @@ def reset_stats() -> None:
 def _audit_compare(r: _Req, route: str, logp: torch.Tensor) -> dict:
     with torch.no_grad():
         ref, _ = _run(r, lambda sl: _reference(r, sl, False, _source(r, route)))
-    call = _audit.record(logp, ref)
-    o, x = logp.detach().reshape(-1), ref.reshape(-1)
-    same = (o == x) | (torch.isnan(o) & torch.isnan(x))
-    bad = ~same & ~((o - x).abs() <= AUDIT_MAX_ABS_DLOGP)
-    if bool(bad.any()):
-        i = int(torch.nonzero(bad)[0])
+    d, equal = routes.audit_diff(logp, ref)
+    call = _audit.record(d, equal)
+    bad = np.flatnonzero(~equal & ~(d <= AUDIT_MAX_ABS_DLOGP))
+    if bad.size:
+        i = int(bad[0])
+        o, x = logp.detach().reshape(-1), ref.reshape(-1)
         raise RuntimeError(f"audit: row {i}: logp {float(o[i])} vs the reference's {float(x[i])} "
-                           f"(|dlogp| above {AUDIT_MAX_ABS_DLOGP}; {int(bad.sum())} rows in all)")
+                           f"(|dlogp| above {AUDIT_MAX_ABS_DLOGP}; {bad.size} rows in all)")
     return call
 
 

@@ -1,0 +1,136 @@
+"""The route log, once for both frontends and the vime provider: reference calls and tokens,
+fallbacks by reason, the route of the last eager call, and the audit of fused against reference
+logp; with the compiled module's per-backend counters, one schema (RouteLog.stats).
+
+numpy only: a frontend copies its arrays to the host and calls in when a call runs (JAX from a
+jax.debug.callback, torch from the op rlk::count_reference and eager code), never at trace time.
+"""
+from __future__ import annotations
+
+import collections
+import threading
+
+import numpy as np
+
+from . import backend_counts
+
+
+def audit_diff(ours, ref) -> tuple[np.ndarray, np.ndarray]:
+    """Row-wise |dlogp| of two logp arrays taken as fp32 (float64; NaN where exactly one row is
+    NaN or both are the same infinity, 0 where both are NaN) and their bitwise-equal mask (rows NaN
+    in both count as equal)."""
+    o = np.asarray(ours, np.float32).reshape(-1)
+    r = np.asarray(ref, np.float32).reshape(-1)
+    both_nan = np.isnan(o) & np.isnan(r)
+    with np.errstate(invalid="ignore"):
+        d = np.where(both_nan, 0.0, np.abs(o.astype(np.float64) - r))
+    equal = (o.view(np.uint32) == r.view(np.uint32)) | both_nan
+    return d, equal
+
+
+class AuditLog:
+    """Running comparison of fused vs reference logp: calls, rows, sum/mean/max |dlogp|,
+    bitwise-equal and unequal rows, and the p99 |dlogp| over a window of the most recent rows.
+    NaN |dlogp| (see audit_diff) counts as a row and an unequal row, and enters no figure of
+    |dlogp|; the mean is over all rows."""
+    WINDOW = 1 << 20  # rows of |dlogp| the p99 is taken over
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self.reset()
+
+    def reset(self) -> None:
+        with self._lock:
+            self.calls = self.rows = self.equal_rows = 0
+            self.sum_abs = self.max_abs = 0.0
+            self._window: collections.deque = collections.deque()
+            self._window_rows = 0
+
+    def record(self, d: np.ndarray, equal: np.ndarray) -> dict:
+        """Add one call's |dlogp| and bitwise-equal mask (audit_diff); returns this call's figures."""
+        seen = d[~np.isnan(d)]
+        call = {"rows": int(d.size), "max_abs_dlogp": float(seen.max()) if seen.size else 0.0,
+                "mean_abs_dlogp": float(seen.mean()) if seen.size else 0.0,
+                "p99_abs_dlogp": float(np.quantile(seen, 0.99)) if seen.size else 0.0,
+                "bitwise_equal_count": int(equal.sum()), "mismatch_count": int(equal.size - equal.sum())}
+        with self._lock:
+            self.calls += 1
+            self.rows += call["rows"]
+            self.sum_abs += float(seen.sum())
+            self.max_abs = max(self.max_abs, call["max_abs_dlogp"])
+            self.equal_rows += call["bitwise_equal_count"]
+            if seen.size:
+                self._window.append(seen)
+                self._window_rows += seen.size
+            while self._window_rows > self.WINDOW and len(self._window) > 1:
+                self._window_rows -= self._window.popleft().size
+        return call
+
+    def summary(self) -> dict:
+        """calls, rows, sum/max/mean/p99 |dlogp|, equal_rows and unequal_rows, and the same counts
+        under the names of a call's figures (bitwise_equal_count, mismatch_count)."""
+        with self._lock:
+            window = list(self._window)
+            unequal = self.rows - self.equal_rows
+            out = {"calls": self.calls, "rows": self.rows, "sum_abs_dlogp": self.sum_abs,
+                   "max_abs_dlogp": self.max_abs, "mean_abs_dlogp": self.sum_abs / self.rows if self.rows else 0.0,
+                   "equal_rows": self.equal_rows, "unequal_rows": unequal,
+                   "bitwise_equal_count": self.equal_rows, "mismatch_count": unequal}
+        out["p99_abs_dlogp"] = float(np.quantile(np.concatenate(window)[-self.WINDOW:], 0.99)) if window else 0.0
+        return out
+
+
+class RouteLog:
+    """One frontend's host-side route log. Each frontend keeps its own; the per-backend counters
+    are the compiled module's, shared by every frontend in the process."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self.audit = AuditLog()
+        self._clear()
+
+    def _clear(self) -> None:
+        with self._lock:
+            self._reference = {"calls": 0, "tokens": 0}
+            self._fallbacks: collections.Counter = collections.Counter()
+            self._backend_id = None
+
+    def count_reference(self, tokens: int, reason: str | None) -> None:
+        """One call of the reference path over `tokens` rows; `reason` the fallback's (None or ""
+        for mode off)."""
+        with self._lock:
+            self._reference["calls"] += 1
+            self._reference["tokens"] += int(tokens)
+            if reason:
+                self._fallbacks[reason] += 1
+
+    def note_backend(self, backend_id: str) -> None:
+        """The route of the last eager call ("cpu", "cuda", "reference")."""
+        with self._lock:
+            self._backend_id = backend_id
+
+    def record_audit(self, ours, ref) -> dict:
+        """Compare fused logp with the reference's (host arrays), row by row; this call's figures."""
+        return self.audit.record(*audit_diff(ours, ref))
+
+    def stats(self, core) -> dict:
+        """Counters since the last reset:
+        - calls / tokens: all forward calls (fused forward kernel calls + reference calls);
+        - backends: fused kernel executions per backend, counted in C++ (COUNT_NAMES);
+        - reference: calls/tokens of the reference path (mode off and fallbacks);
+        - fallbacks: {reason: count}, fallback_total;
+        - backend_id: the route of the last eager call, None if none was noted;
+        - audit: AuditLog.summary()."""
+        backends = backend_counts(core)
+        with self._lock:
+            reference, fallbacks, backend_id = dict(self._reference), dict(self._fallbacks), self._backend_id
+        return {"calls": sum(b["fwd_calls"] for b in backends.values()) + reference["calls"],
+                "tokens": sum(b["fwd_tokens"] for b in backends.values()) + reference["tokens"],
+                "backends": backends, "reference": reference, "fallbacks": fallbacks,
+                "fallback_total": sum(fallbacks.values()), "backend_id": backend_id, "audit": self.audit.summary()}
+
+    def reset(self, core) -> None:
+        """Zero the compiled module's counters (every frontend's) and this log."""
+        core.reset_route_counts()
+        self._clear()
+        self.audit.reset()
