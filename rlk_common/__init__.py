@@ -1,5 +1,6 @@
 """The framework-neutral rules both frontends (rlk_xla, torch_bridge) share: the modes, the
-backward strategies and their memory budget, and the compiled module's route counters.
+backward strategies and their memory budget, and the compiled module's route counters (the
+host-side route log over them: routes.py).
 
 Imports neither jax nor torch: each frontend passes in what only it knows (its compiled module,
 its dtype codes and devices).
