@@ -12,8 +12,8 @@
 //       GEMM into an fp32 z tile and dlogit_kernel. dH accumulates over pieces in fp32 (piece
 //       order), dW over passes in an fp32 piece accumulator (pass order; one pass, the common
 //       case, writes dW directly). Work: three GEMMs; all extra memory in a workspace planned
-//       within 256 MiB (lean_layout); where n * h makes dH's fp32 accumulator too large, dH
-//       comes in row sweeps that recompute the rows left (the section below).
+//       within 256 MiB; where n * h makes dH's fp32 accumulator too large, dH comes in row
+//       sweeps that recompute the rows left (lean_plan.h plans both).
 // No atomics: every sum has one order fixed by the shapes, so repeated runs give the same bits.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>

@@ -30,7 +30,7 @@ constexpr float kMaxKeptLogit = 65504.f;
 inline size_t kept_bytes(const Problem& p) { return size_t(p.n) * size_t(p.v) * dtype_bytes(kept_dtype(p.dtype)); }
 // `fast`: the backward reads kept logits (BwdArgs::logits); else it recomputes them (lean: all of
 // its extra memory is this workspace, at most 256 MiB for any n and v and h up to 32768, see
-// linear_logp_bwd.cu). `dhidden_dtype`: BwdArgs::dhidden_dtype. The lean layout also depends on
+// lean_plan.h). `dhidden_dtype`: BwdArgs::dhidden_dtype. The lean layout also depends on
 // whether the sm90 kernel does the recompute (forward_backend), fixed per device and process.
 size_t backward_workspace_bytes(const Problem& p, bool fast, DType dhidden_dtype);
 
