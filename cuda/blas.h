@@ -32,14 +32,10 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "lp_geometry.h"  // kWorkspaceBytes, kWorkspaceAlloc
 #include "rlk/linear_logp.h"
 
 namespace rlk::cuda::blas {
-
-constexpr size_t kWorkspaceBytes = size_t(32) << 20;  // cuBLAS's recommendation for Hopper
-// What a caller reserves for it: cuBLAS needs a 256-byte aligned workspace, and a frontend's
-// scratch buffer (XLA's) may be aligned to less; gemm() aligns within this.
-constexpr size_t kWorkspaceAlloc = kWorkspaceBytes + 256;
 
 // A row-major matrix view: `rows` x `cols`, row stride `ld` elements.
 struct Mat {

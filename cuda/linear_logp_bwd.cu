@@ -12,8 +12,8 @@
 //       GEMM into an fp32 z tile and dlogit_kernel. dH accumulates over pieces in fp32 (piece
 //       order), dW over passes in an fp32 piece accumulator (pass order; one pass, the common
 //       case, writes dW directly). Work: three GEMMs; all extra memory in a workspace planned
-//       within 256 MiB (lean_layout); where n * h makes dH's fp32 accumulator too large, dH
-//       comes in row sweeps that recompute the rows left (the section below).
+//       within 256 MiB; where n * h makes dH's fp32 accumulator too large, dH comes in row
+//       sweeps that recompute the rows left (lean_plan.h plans both).
 // No atomics: every sum has one order fixed by the shapes, so repeated runs give the same bits.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -21,6 +21,7 @@
 #include <algorithm>
 
 #include "blas.h"
+#include "lean_plan.h"
 #include "linear_logp_cuda.h"
 #include "lp_gemm_portable.cuh"  // to_f / from_f
 #include "lp_internal.h"
@@ -224,223 +225,8 @@ Status backward_fast(const Problem& p, const BwdArgs& a, Workspace ws, cudaStrea
 // Per (vocab piece, row pass): the dlogit tile, then dH[pass] (+)= dlogit W[piece] and
 // dW[piece] (+)= dlogit^T H[pass]. The tile is "fused" (the sm90 kernel, Epi::kDlogit: wherever
 // forward_backend picks it) or made by the "gemm" path (cuBLAS z in fp32, then dlogit_kernel).
-//
-// Memory: all that lean adds to the caller's buffers is its workspace, which lean_layout fits in
-// kLeanBudget whatever n and v (h up to 32768): cuBLAS's part, the dH accumulator rows that
-// dhidden cannot hold, the tiles (and the fp32 dW piece accumulator when n takes more than one
-// row pass).
-// - dH sums over the pieces in fp32: in dhidden itself when it is fp32; when it is 16-bit, its
-//   bytes hold the fp32 rows [0, n/2) and the workspace the rest (all of them while they take at
-//   most kLeanDhWhole), and finish_dhidden rounds them once at the end. No [n, h] fp32 buffer
-//   exists beyond half of one (128 MiB at L16k) or 32 MiB.
-// - Where that half does not fit (n * h * 2 bytes past about 190 MiB: n > 24k at h = 4096), dH
-//   comes in row sweeps (DhSweep). The first sweep is the whole backward (every piece and row:
-//   dW, db, dT) but accumulates dH only for the rows that fit, and rounds them. Each next sweep
-//   recomputes the dlogit tiles of rows still without dH, for dH alone, in the room the rounded
-//   rows left in dhidden plus the workspace's dH rows: the rows left at least halve per sweep,
-//   and their recompute is the extra work. Those rows sum dH over the workspace tile's pieces,
-//   an order other than the first sweep's but as fixed by the shapes.
-// - The pieces are as wide as possible: each fp32 read-modify-write of the dH accumulator costs
-//   n * h * 8 bytes of traffic, and wider dW GEMMs run closer to peak. dW's rows past the current
-//   piece are not written yet, so a piece's tiles borrow them while they are large enough
-//   (lean_next_piece); the workspace tile takes the pieces that are left at the end.
-constexpr size_t kLeanBudget = size_t(250) << 20;  // 256 MiB, less room for the frontends' [n] vectors
-constexpr size_t kLeanLimit = kLeanBudget + (size_t(6) << 20);  // the promise (256 MiB); one sweep wherever it holds
-constexpr size_t kLeanTileMax = size_t(144) << 20;  // larger workspace tiles gain little
-constexpr size_t kLeanTileMin = size_t(32) << 20;   // the floor where n * h takes the budget
-constexpr int64_t kLeanMinPiece = 1024;             // narrower workspace pieces: take more row passes
-constexpr int64_t kLeanMaxPiece = 16384;            // borrowed pieces, one pass (bounds dzz)
-constexpr size_t kLeanDhWhole = size_t(32) << 20;   // dH's fp32 accumulator all in the workspace up to this
-
-struct LeanTiles {
-  int64_t P;      // the workspace tile's piece width
-  int64_t P_max;  // the widest piece (sizes dzz; with several passes, the dW accumulator)
-  int64_t R;      // rows per pass
-  size_t dwacc;   // the fp32 dW piece accumulator (several passes), else 0
-};
-
-struct LeanLayout {
-  bool fused;
-  LeanTiles t;
-  int64_t dh_in;  // the first sweep's dH rows accumulated (fp32) inside dhidden
-  int64_t dh_ws;  // dH rows the workspace holds (fp32) in each sweep
-  size_t off_dh, off_z, off_dlog, off_dzz, off_dwacc, total;  // from the 256-aligned tile base; total: all of it
-};
-
+// The workspace, the pieces and the dH row sweeps are planned on the host (lean_plan.h).
 bool lean_fused(const Problem& p) { return forward_backend(p) == Backend::kCudaSm90; }
-
-size_t align256(size_t x) { return (x + 255) & ~size_t(255); }
-unsigned char* align256(unsigned char* p) { return reinterpret_cast<unsigned char*>(align256(reinterpret_cast<uintptr_t>(p))); }
-int64_t ceil_to(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
-int64_t dlogit_splits(int64_t P) { return detail::splits_per_chunk(P, detail::kDlogitSplitCols); }
-
-// Tile bytes per row of a pass, for a piece of P columns: z (gemm path) and dlogit.
-size_t lean_per_row(const Problem& p, bool fused, int64_t P) {
-  return size_t(P) * (dtype_bytes(p.dtype) + (fused ? 0 : 4));
-}
-
-// The tiles of R rows and P columns: z (gemm path), dlogit, and dzz (fused).
-int64_t lean_tile_bytes(const Problem& p, bool fused, int64_t R, int64_t P) {
-  return R * int64_t(lean_per_row(p, fused, P)) + (fused ? R * dlogit_splits(P) * 4 : 0);
-}
-
-// The tiles in about `tiles` bytes. Depends on the shapes, the dtype and the path only.
-LeanTiles lean_tiles(const Problem& p, bool fused, size_t tiles) {
-  auto tile_bytes = [&](int64_t R, int64_t P) { return lean_tile_bytes(p, fused, R, P); };
-  const int64_t v256 = ceil_to(p.v, 256);
-  // One row pass, the common case: dW goes straight to the dtype.
-  const int64_t R = ceil_to(p.n, 128);
-  int64_t P = int64_t(tiles) / R / int64_t(lean_per_row(p, fused, 1)) / 256 * 256;
-  P = P < v256 ? P : v256;
-  while (P > 0 && tile_bytes(R, P) > int64_t(tiles)) P -= 256;
-  if (P >= std::min(kLeanMinPiece, v256)) return {P, std::max(P, kLeanMaxPiece), R, 0};
-  // More passes over pieces of at most 8192 columns, through an fp32 dW piece accumulator of at
-  // most 64 MiB that leaves the tiles room for 128 rows.
-  P = std::min(std::clamp<int64_t>((int64_t(16) << 20) / p.h / 256 * 256, 256, 8192), v256);
-  auto acc_bytes = [&](int64_t P) { return align256(size_t(P) * p.h * 4); };
-  while (P > 256 && int64_t(acc_bytes(P)) + tile_bytes(128, P) > int64_t(tiles)) P -= 256;
-  const size_t dwacc = acc_bytes(P);
-  int64_t rmax = (int64_t(tiles) - int64_t(dwacc)) / tile_bytes(1, P) / 128 * 128;
-  rmax = rmax > 128 ? rmax : 128;
-  const int64_t passes = (p.n + rmax - 1) / rmax;
-  return {P, P, ceil_to((p.n + passes - 1) / passes, 128), dwacc};  // equal passes: a fuller last wave
-}
-
-// Places the workspace's parts for L.t and L.dh_ws.
-void lean_place(const Problem& p, LeanLayout& L) {
-  const LeanTiles& t = L.t;
-  size_t o = 0;
-  L.off_dh = o; o += align256(size_t(L.dh_ws) * p.h * 4);
-  if (!L.fused) { L.off_z = o; o += align256(size_t(t.R) * t.P * 4); }
-  L.off_dlog = o; o += align256(size_t(t.R) * t.P * dtype_bytes(p.dtype));
-  if (L.fused) { L.off_dzz = o; o += align256(size_t(t.R) * dlogit_splits(t.P_max) * 4); }
-  L.off_dwacc = o; o += t.dwacc;
-  L.total = blas::kWorkspaceAlloc + 256 /*tile base alignment*/ + o;
-}
-
-// The fp32 dH rows the first sweep keeps inside dhidden's own bytes: all of an fp32 dhidden;
-// of a 16-bit one, the half it holds, or none while the whole accumulator is small. Halving the
-// rows only saves memory, and a small n's dH GEMM of n/2 rows fills less than a wave of the GPU
-// (T1, 796 rows: cuBLAS then needs split-K to keep its speed).
-int64_t dh_inside(const Problem& p, DType dh_dtype) {
-  if (dtype_bytes(dh_dtype) == 4) return p.n;
-  return size_t(p.n) * p.h * 4 <= kLeanDhWhole ? 0 : p.n * int64_t(dtype_bytes(dh_dtype)) / 4;
-}
-
-// One sweep: the workspace holds every dH row that dhidden cannot, the tiles what is left.
-size_t one_sweep_tiles(const Problem& p, DType dh_dtype) {
-  const size_t dh = blas::kWorkspaceAlloc + 256 + align256(size_t(p.n - dh_inside(p, dh_dtype)) * p.h * 4);
-  return std::clamp(kLeanBudget > dh ? kLeanBudget - dh : 0, kLeanTileMin, kLeanTileMax);
-}
-LeanLayout one_sweep_layout(const Problem& p, bool fused, DType dh_dtype) {
-  LeanLayout L{};
-  L.fused = fused;
-  L.dh_in = dh_inside(p, dh_dtype);
-  L.dh_ws = p.n - L.dh_in;
-  L.t = lean_tiles(p, fused, one_sweep_tiles(p, dh_dtype));
-  lean_place(p, L);
-  return L;
-}
-
-// Row sweeps of dH. The tiles take the least room that keeps one row pass with pieces of
-// kLeanMinPiece columns: most pieces then borrow dW's rows and dW needs no fp32 accumulator.
-// Smaller tiles would leave more dH rows to the first sweep but cost far more than the rows'
-// recompute: at L32k (2026-11-30), 32 MiB of tiles (29 row passes of 1792-column pieces beside a
-// dW accumulator, nothing borrowed) took 530 ms, one pass in 96 MiB 285 ms, and one sweep in
-// 430 MB 257 ms. Where one pass does not fit (n past about 120k rows at bf16), the tiles take half
-// the budget in several passes. The workspace's dH rows take what is left (no more than dhidden
-// cannot hold), in whole 128-row blocks: every sweep's fp32 rows inside dhidden then start
-// 256-byte aligned.
-LeanLayout sweeps_layout(const Problem& p, bool fused, DType dh_dtype) {
-  const size_t row4 = size_t(p.h) * 4;
-  LeanLayout L{};
-  L.fused = fused;
-  L.t = lean_tiles(p, fused, lean_tile_bytes(p, fused, ceil_to(p.n, 128), std::min(kLeanMinPiece, ceil_to(p.v, 256))));
-  lean_place(p, L);
-  if (L.t.dwacc > 0 || L.total + align256(128 * row4) > kLeanBudget) {
-    L.t = lean_tiles(p, fused, kLeanBudget / 2);
-    lean_place(p, L);
-  }
-  L.dh_in = dh_inside(p, dh_dtype);
-  if (L.dh_in < p.n) L.dh_in = L.dh_in / 128 * 128;  // (an fp32 dhidden holds all its rows itself)
-  const int64_t room = int64_t((kLeanBudget > L.total ? kLeanBudget - L.total : 0) / row4) / 128 * 128;
-  L.dh_ws = std::clamp<int64_t>(room, 128, std::max<int64_t>(128, ceil_to(p.n - L.dh_in, 128)));
-  lean_place(p, L);
-  return L;
-}
-
-// Depends on the shapes, the dtypes and the path only. One sweep where it fits in one row pass,
-// or in several passes of tiles as large as the sweeps' (no recompute then); else row sweeps.
-LeanLayout lean_layout(const Problem& p, bool fused, DType dh_dtype) {
-  const LeanLayout one = one_sweep_layout(p, fused, dh_dtype);
-  if (one.total <= kLeanLimit && (one.t.dwacc == 0 || one_sweep_tiles(p, dh_dtype) >= kLeanBudget / 2)) return one;
-  return sweeps_layout(p, fused, dh_dtype);
-}
-
-// backward_lean falls back to the gemm path for operands that TMA cannot take: the workspace
-// holds either layout.
-size_t lean_workspace_bytes(const Problem& p, DType dh_dtype) {
-  const size_t g = lean_layout(p, false, dh_dtype).total;
-  if (!lean_fused(p)) return g;
-  const size_t f = lean_layout(p, true, dh_dtype).total;
-  return f > g ? f : g;
-}
-
-// A dH sweep: rows [r0, r1), whose fp32 accumulator holds rows [r0, r0 + in) inside dhidden's
-// bytes from row r0's place on, and the others at the workspace's dH rows.
-struct DhSweep {
-  int64_t r0, in, r1;
-};
-
-// f(sweep) in row order; stops at the first error. The first sweep keeps L.dh_in rows inside
-// dhidden; each next one as many as the bytes past the rounded rows hold (whole 128-row blocks).
-template <class F>
-Status for_each_dh_sweep(const Problem& p, const LeanLayout& L, DType dh_dtype, F&& f) {
-  const int64_t eb = int64_t(dtype_bytes(dh_dtype));
-  for (int64_t r0 = 0, in = L.dh_in; r0 < p.n;) {
-    const int64_t r1 = std::min(p.n, r0 + in + L.dh_ws);
-    if (Status s = f(DhSweep{r0, std::min(in, r1 - r0), r1})) return s;
-    r0 = r1;
-    in = eb == 4 ? p.n - r0 : (p.n - r0) * eb / 4 / 128 * 128;
-  }
-  return nullptr;
-}
-
-// A piece: columns [c, c + cols) with tiles of width w (a multiple of 256; cols < w only at the
-// end of the vocab), either borrowed from dW's rows past the piece or in the workspace.
-struct LeanPiece {
-  int64_t c, w, cols;
-  bool borrowed;
-};
-
-// The piece from column c (`borrow`: while dW is still being written). Depends on the shapes
-// only, so every run cuts the vocab alike.
-LeanPiece lean_next_piece(const Problem& p, const LeanLayout& L, int64_t c, bool borrow) {
-  const int64_t rest = p.v - c, eb = int64_t(dtype_bytes(p.dtype)), R = L.t.R, P = L.t.P;
-  if (borrow) {
-    // borrowed: R rows of tiles + 256 (alignment) <= dW's rows [c + w, v), solved for w (tiles
-    // grow linearly in w)
-    const int64_t row_bytes = int64_t(lean_per_row(p, L.fused, 1));
-    int64_t w = ((rest * p.h * eb - 256) / (R * row_bytes + p.h * eb)) / 256 * 256;
-    w = w < L.t.P_max ? w : L.t.P_max;
-    if (w > P && w < rest) return {c, w, w, true};
-  }
-  // the workspace tile: the rest in equal pieces
-  const int64_t pieces = (rest + P - 1) / P;
-  const int64_t w = ceil_to((rest + pieces - 1) / pieces, 256);
-  return {c, w, w < rest ? w : rest, false};
-}
-
-// f(piece) for the pieces in vocab order; stops at the first error.
-template <class F>
-Status for_each_lean_piece(const Problem& p, const LeanLayout& L, bool borrow, F&& f) {
-  for (int64_t c = 0; c < p.v;) {
-    const LeanPiece pc = lean_next_piece(p, L, c, borrow);
-    if (Status s = f(pc)) return s;
-    c += pc.cols;
-  }
-  return nullptr;
-}
 
 #if RLK_HAVE_SM90
 // dtemp (+)= the row's sum over this piece's splits, in split order; the last piece makes it dT.
@@ -531,9 +317,6 @@ Status dh_accumulate(const Problem& p, const BwdArgs& a, const LeanLayout& L, co
   return rows(split, hi, reinterpret_cast<float*>(base + L.off_dh), sw.r0 + sw.in);
 }
 
-// Rows finish_dhidden rounds at a time: as many as fit the workspace's dlogit tile.
-int64_t finish_rows(const Problem& p, const LeanLayout& L) { return L.t.R * L.t.P / p.h; }
-
 // A 16-bit dhidden's rows [sw.r0, sw.r1) from the sweep's fp32 accumulator. The rows inside
 // dhidden are rounded in chunks through the workspace tile and copied down (a row's 16-bit place
 // overlaps fp32 rows already read); then the workspace rows go straight to their place, which by
@@ -559,19 +342,6 @@ Status finish_dhidden(const Problem& p, const BwdArgs& a, const LeanLayout& L, c
     RLK_CHECK_LAUNCH("rlk cuda: dH conversion launch failed");
   }
   return nullptr;
-}
-
-// The layout of a sweep: the first's is L itself; a later one's tiles (dH alone, in the workspace
-// tile) take as many rows as the sweep has, at most a pass's, so the same bytes hold wider pieces,
-// each one fp32 read-modify-write of the sweep's dH rows fewer (L32k's second sweep: 33 pieces
-// instead of 149).
-LeanLayout sweep_layout(const Problem& p, LeanLayout L, const DhSweep& sw) {
-  if (sw.r0 == 0) return L;
-  const int64_t R = std::min(L.t.R, ceil_to(sw.r1 - sw.r0, 128));
-  const int64_t P = std::min({L.t.R * L.t.P / R / 256 * 256, ceil_to(p.v, 256), kLeanMaxPiece});
-  L.t.P = std::max(L.t.P, P);
-  L.t.R = R;
-  return L;
 }
 
 // One dH sweep. The first (sw.r0 == 0) is the whole backward: every row, dW, db, dT, and the
@@ -646,25 +416,9 @@ Status backward_t(const Problem& p, const BwdArgs& a, Workspace ws, cudaStream_t
 
 }  // namespace
 
-LeanPlan lean_plan(const Problem& p, bool fused, DType dhidden_dtype) {
-  if (p.n <= 0 || p.v <= 0 || p.h <= 0) return {};  // nothing to plan: the backward has no lean work
-  const LeanLayout L = lean_layout(p, fused, dhidden_dtype);
-  LeanPlan plan{L.total, size_t(L.t.R) * lean_per_row(p, fused, L.t.P), L.t.R, {}, {}};
-  for_each_lean_piece(p, L, true, [&](const LeanPiece& pc) -> Status {
-    plan.pieces.push_back({pc.c, pc.cols, pc.w, pc.borrowed, size_t(L.t.R) * lean_per_row(p, fused, pc.w)});
-    return nullptr;
-  });
-  for_each_dh_sweep(p, L, dhidden_dtype, [&](const DhSweep& sw) -> Status {
-    const LeanLayout Ls = sweep_layout(p, L, sw);
-    plan.dh_sweeps.push_back({sw.r0, sw.in, sw.r1, Ls.t.R, Ls.t.P});
-    return nullptr;
-  });
-  return plan;
-}
-
 size_t backward_workspace_bytes(const Problem& p, bool fast, DType dhidden_dtype) {
   if (p.n <= 0 || p.v <= 0 || p.h <= 0) return 0;
-  return fast ? blas::kWorkspaceAlloc : lean_workspace_bytes(p, dhidden_dtype);
+  return fast ? blas::kWorkspaceAlloc : lean_workspace_bytes(p, lean_fused(p), dhidden_dtype);
 }
 
 Status backward(const Problem& p, const BwdArgs& a, Workspace ws, cudaStream_t stream) {

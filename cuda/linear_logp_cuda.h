@@ -8,8 +8,6 @@
 
 #include <cuda_runtime.h>
 
-#include <vector>
-
 #include "rlk/linear_logp.h"
 
 namespace rlk::cuda {
@@ -32,29 +30,9 @@ constexpr float kMaxKeptLogit = 65504.f;
 inline size_t kept_bytes(const Problem& p) { return size_t(p.n) * size_t(p.v) * dtype_bytes(kept_dtype(p.dtype)); }
 // `fast`: the backward reads kept logits (BwdArgs::logits); else it recomputes them (lean: all of
 // its extra memory is this workspace, at most 256 MiB for any n and v and h up to 32768, see
-// linear_logp_bwd.cu). `dhidden_dtype`: BwdArgs::dhidden_dtype. The lean layout also depends on
+// lean_plan.h). `dhidden_dtype`: BwdArgs::dhidden_dtype. The lean layout also depends on
 // whether the sm90 kernel does the recompute (forward_backend), fixed per device and process.
 size_t backward_workspace_bytes(const Problem& p, bool fast, DType dhidden_dtype);
-
-// The lean backward's plan (linear_logp_bwd.cu), for tests and reports: its workspace, its row
-// passes and how it cuts the vocab into pieces. `fused`: the sm90 recompute, as forward_backend
-// decides on a device (lean_workspace_bytes takes the larger of the two layouts there).
-struct LeanPiecePlan {
-  int64_t col, cols, width;  // columns [col, col + cols), tiles of `width` columns
-  bool borrowed;             // tiles in dW's rows past the piece, else in the workspace
-  size_t tile_bytes;         // all tiles of one row pass
-};
-struct DhSweepPlan {
-  int64_t r0, in, r1;  // dH rows [r0, r1), of which [r0, r0 + in) accumulate inside dhidden
-  int64_t tile_rows, tile_width;  // a later sweep's workspace tile (the first's: rows_per_pass, its pieces)
-};
-struct LeanPlan {
-  size_t workspace_bytes, ws_tile_bytes;
-  int64_t rows_per_pass;
-  std::vector<LeanPiecePlan> pieces;   // the first sweep's (later ones take the workspace tile)
-  std::vector<DhSweepPlan> dh_sweeps;  // one, unless dH's fp32 accumulator does not fit
-};
-LeanPlan lean_plan(const Problem& p, bool fused, DType dhidden_dtype);
 
 // `ran` (may be null) receives the backend that ran.
 Status forward(const Problem& p, const FwdArgs& a, Workspace ws, cudaStream_t stream, Backend* ran);

@@ -6,6 +6,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "lp_geometry.h"
 #include "rlk/linear_logp.h"
 
 namespace rlk::cuda::detail {
@@ -15,25 +16,6 @@ inline Status check_shape(const Problem& p) {
   if (p.n < 0 || p.h <= 0 || p.v <= 0 || p.chunk <= 0 || p.v % p.chunk != 0) return "rlk cuda: bad problem shape";
   return nullptr;
 }
-
-// ---- forward split geometry -------------------------------------------------------------------
-// A canonical chunk is cut into "splits" of kSplitCols consecutive columns counted from the
-// chunk's first column (the last split of a chunk may be shorter). One CTA owns one (row tile,
-// split) and walks the split's column tiles in order, so a split's statistics depend on the
-// chunk's content only, never on where the chunk sits in the local vocab (TP invariance) nor on
-// other rows (batch invariance). The per-(row, split) partials are merged per chunk, in split
-// order, by the finalize kernel. Both forward kernels (portable and sm90) use this geometry.
-constexpr int64_t kSplitCols = 1024;  // a multiple of the sm90 kernel's 256-column tile
-
-// The lean backward's recompute on the sm90 kernel (sm90_dlogit) splits its vocab pieces the same
-// way, in shorter splits, so that a piece's few row tiles still make enough units to fill the last
-// wave (only the order of the dT sum depends on it).
-constexpr int64_t kDlogitSplitCols = 512;
-
-inline int64_t splits_per_chunk(int64_t chunk, int64_t split_cols = kSplitCols) {
-  return (chunk + split_cols - 1) / split_cols;
-}
-inline int64_t total_splits(const Problem& p) { return num_chunks(p) * splits_per_chunk(p.chunk); }
 
 // Rows per forward launch: bounds the partial-statistics workspace (rows * splits * 3 floats).
 // Depends on shapes only; rows are independent, so the cut is invisible in the results.

@@ -10,6 +10,7 @@
 #include <optional>
 #include <stdexcept>
 
+#include "lean_plan.h"
 #include "rlk/linear_logp.h"
 
 #if RLK_HAVE_XLA_FFI
@@ -325,35 +326,52 @@ NB_MODULE(_rlk_core, m) {
 
   m.def("cuda_lean_plan",
         [](int64_t n, int64_t h, int64_t v, int dtype, bool dhidden_f32, bool fused) {
-          nb::dict out;
-#if RLK_HAVE_CUDA
           const rlk::Problem p = shape_problem(n, h, v, v, dtype, false, false);
           const rlk::cuda::LeanPlan plan = rlk::cuda::lean_plan(p, fused, dhidden_f32 ? rlk::DType::kF32 : p.dtype);
+          const rlk::cuda::LeanLayout& L = plan.layout;
+          nb::dict parts;  // offsets from the tile base, of the parts this path has
+          parts["dh"] = int64_t(L.off_dh);
+          if (!L.fused) parts["z"] = int64_t(L.off_z);
+          parts["dlog"] = int64_t(L.off_dlog);
+          if (L.fused) parts["dzz"] = int64_t(L.off_dzz);
+          parts["dwacc"] = int64_t(L.off_dwacc);
+          nb::dict layout;
+          layout["fused"] = L.fused;
+          layout["P"] = L.t.P;
+          layout["P_max"] = L.t.P_max;
+          layout["R"] = L.t.R;
+          layout["dwacc"] = int64_t(L.t.dwacc);
+          layout["dh_in"] = L.dh_in;
+          layout["dh_ws"] = L.dh_ws;
+          layout["parts"] = parts;
+          layout["cublas_bytes"] = int64_t(rlk::cuda::blas::kWorkspaceAlloc);
+          layout["total"] = int64_t(L.total);
           nb::list pieces;
           for (const auto& pc : plan.pieces)
             pieces.append(nb::make_tuple(pc.col, pc.cols, pc.width, pc.borrowed, int64_t(pc.tile_bytes)));
-          out["workspace_bytes"] = int64_t(plan.workspace_bytes);
-          out["ws_tile_bytes"] = int64_t(plan.ws_tile_bytes);
-          out["rows_per_pass"] = plan.rows_per_pass;
-          out["pieces"] = pieces;
           nb::list sweeps;
           nb::list tiles;
           for (const auto& sw : plan.dh_sweeps) {
             sweeps.append(nb::make_tuple(sw.r0, sw.in, sw.r1));
             tiles.append(nb::make_tuple(sw.tile_rows, sw.tile_width));
           }
+          nb::dict out;
+          out["workspace_bytes"] = int64_t(L.total);
+          out["ws_tile_bytes"] = int64_t(plan.ws_tile_bytes);
+          out["rows_per_pass"] = L.t.R;
+          out["pieces"] = pieces;
           out["dh_sweeps"] = sweeps;
           out["dh_sweep_tiles"] = tiles;
-#else
-          (void)n, (void)h, (void)v, (void)dtype, (void)dhidden_f32, (void)fused;
-#endif
+          out["layout"] = layout;
           return out;
         },
         nb::arg("n"), nb::arg("h"), nb::arg("v"), nb::arg("dtype"), nb::arg("dhidden_f32"), nb::arg("fused"),
-        "The CUDA lean backward's plan for this shape (for tests and reports; {} without CUDA):\n"
+        "The CUDA lean backward's plan for this shape (host code: in every build; for tests and reports):\n"
         "workspace_bytes, ws_tile_bytes, rows_per_pass, pieces [(col, cols, width, borrowed, tile_bytes)] (the\n"
         "first sweep's), dh_sweeps [(r0, in, r1)]: dH rows [r0, r1), [r0, r0 + in) accumulated inside dhidden;\n"
-        "dh_sweep_tiles [(rows, width)]: each sweep's workspace tile.\n"
+        "dh_sweep_tiles [(rows, width)]: each sweep's workspace tile; layout: the workspace's layout (P, P_max,\n"
+        "R, dwacc, dh_in, dh_ws, parts {name: offset from the tile base}, cublas_bytes: cuBLAS's part before\n"
+        "the 256-aligned tile base, total). All zero for n == 0.\n"
         "fused: the sm90 recompute (a device decides it; here it is given).");
 
   m.def("cuda_prepare_backward", [](int device) {

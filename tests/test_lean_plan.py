@@ -1,5 +1,5 @@
-"""The CUDA lean backward's plan, checked on the host (no GPU needed): the memory it promises and
-the way it cuts the vocab (cuda/linear_logp_bwd.cu, lean_layout and lean_next_piece).
+"""The CUDA lean backward's plan (cuda/lean_plan.cc: lean_layout, lean_next_piece, the dH sweeps),
+checked on the host: the planner is host C++, in every build of _rlk_core, CUDA or not.
 
 All that the lean backward adds to the caller's buffers is its workspace; with dH in the operand
 dtype (the whole vocab) that includes up to half of dH's fp32 accumulator. It must stay within
@@ -8,14 +8,14 @@ the rows in order and keep their fp32 rows within dhidden's bytes. At the shapes
 §6 there is one sweep. A piece's tiles either sit in the workspace or borrow dW's rows
 past the piece (not written yet): they must fit there and never reach the piece's own rows.
 """
+import itertools
+
 import pytest
 
 import _rlk_core as core
 from rlk_common import SHAPES  # docs/design.md §6
 
-pytestmark = pytest.mark.skipif(not core.has_cuda, reason="this build of _rlk_core has no CUDA backend")
-
-BF16 = 2
+F32, F16, BF16 = 0, 1, 2
 MIB = 1 << 20
 ODD = {"n1": (1, 64, 1000), "n3": (3, 2048, 151936), "n127-v7013": (127, 64, 7013),
        "n4097": (4097, 2048, 151936), "passes": (80000, 64, 7013), "borrow": (16384, 2048, 151936)}
@@ -143,3 +143,67 @@ def test_l16k_borrows_wide_pieces():
     widths = [p[2] for p in plan["pieces"]]
     assert plan["rows_per_pass"] == 16384 and max(widths) == 16384 and len(widths) <= 20
     assert any(p[3] for p in plan["pieces"]) and not plan["pieces"][-1][3]
+
+
+# ---- the workspace's layout -----------------------------------------------------------------------
+GRID_N = (1, 3, 127, 796, 4097, 16384, 131072)
+GRID_H = (64, 2048, 4096)
+GRID_V = (1000, 7013, 75968, 151936)
+
+
+def _ceil_to(x, m):
+    return -(-x // m) * m
+
+
+def _check_layout(plan, n, h, v, dtype, dhidden_f32, fused):
+    """What cuda/lean_plan.h's LeanLayout says of its fields, and lean_place of its parts."""
+    L = plan["layout"]
+    eb = 4 if dtype == F32 else 2
+    P, P_max, R = L["P"], L["P_max"], L["R"]
+    assert L["fused"] == fused and L["total"] == plan["workspace_bytes"] <= 256 * MIB
+    # pieces: whole 256-column tiles, never wider than the vocab needs; P_max the widest
+    assert P % 256 == 0 and 256 <= P <= _ceil_to(v, 256)
+    assert P_max % 256 == 0 and P_max >= P
+    assert max(pc[2] for pc in plan["pieces"]) <= P_max
+    # row passes of whole 128-row blocks; several passes sum dW in an fp32 accumulator of a piece
+    assert R % 128 == 0 and R == plan["rows_per_pass"]
+    if L["dwacc"] == 0:
+        assert R >= n
+    if R < n:
+        assert L["dwacc"] >= P_max * h * 4
+    # dH's fp32 rows: an fp32 dhidden holds all of them; a 16-bit one at most its own bytes
+    if dhidden_f32 or dtype == F32:
+        assert L["dh_in"] == n
+    else:
+        assert 0 <= L["dh_in"] and L["dh_in"] * 4 <= n * eb
+    if len(plan["dh_sweeps"]) == 1:
+        assert L["dh_in"] + L["dh_ws"] >= n
+    if dtype != F32 and not dhidden_f32:
+        assert R * P // h >= 1  # the rounding of dH goes through the dlogit tile (finish_rows)
+    # the parts, from the 256-aligned tile base: aligned, each as large as what it holds, disjoint,
+    # and inside the workspace after cuBLAS's part and the base's alignment
+    need = {"dh": L["dh_ws"] * h * 4, "dlog": R * P * eb, "dwacc": L["dwacc"]}
+    need.update({"dzz": R * -(-P_max // 512) * 4} if fused else {"z": R * P * 4})
+    assert set(L["parts"]) == set(need)
+    end = 0
+    for name, off in sorted(L["parts"].items(), key=lambda kv: (kv[1], need[kv[0]])):
+        assert off % 256 == 0 and off >= end, (name, L)
+        end = off + need[name]
+    assert L["cublas_bytes"] + 256 + end <= L["total"]
+
+
+@pytest.mark.parametrize("dtype", [F32, F16, BF16], ids=["f32", "f16", "bf16"])
+def test_layout_parts_fit_and_do_not_overlap(dtype):
+    for n, h, v, dhidden_f32, fused in itertools.product(GRID_N, GRID_H, GRID_V, (False, True), (True, False)):
+        plan = core.cuda_lean_plan(n, h, v, dtype, dhidden_f32, fused)
+        _check_layout(plan, n, h, v, dtype, dhidden_f32, fused)
+        assert plan == core.cuda_lean_plan(n, h, v, dtype, dhidden_f32, fused)  # shapes, dtypes, path only
+
+
+@pytest.mark.parametrize("name", ["T3", "H200-pub", "L16k"])
+def test_common_shapes_take_one_row_pass(name):
+    """One row pass, the common case (lean_tiles): dW goes straight to the dtype, no fp32 accumulator."""
+    n, h, v = SHAPES[name]
+    for dhidden_f32, fused in itertools.product((False, True), (True, False)):
+        L = _plan(n, h, v, dhidden_f32, fused)["layout"]
+        assert L["dwacc"] == 0 and L["R"] >= n, (dhidden_f32, fused, L)
