@@ -5,6 +5,11 @@
 // vector of rows. Weight tiles of kTileV vocab rows are converted to fp32 in their natural layout
 // (`Wf[j][k]`). A logits tile is `T[j][r]` (vocab-major): every epilogue then works on vectors of
 // rows, one lane per row, so a row's bits never depend on the other rows in the call.
+// bf16 operands on a CPU with AVX512-BF16 take the logits from bf16 pairs instead (`dp_bf16`):
+// vdpbf16ps multiplies two k of bf16 exactly and adds both products to the fp32 accumulator, twice
+// the fp32 FMA rate, so the panels hold pairs of k (`Ap2[k/2][r]`) and the weight tile keeps its
+// bf16 rows. The logits' order is then fixed per pair of k; every logit (tiles and target) of
+// such a call comes from the same instruction sequence.
 //
 // Order of every reduction is fixed by shapes alone:
 //   forward   unit = (row block, chunk); tiles of the chunk from its first column, in order.
@@ -16,6 +21,10 @@
 #include <algorithm>
 #include <cmath>
 #include <vector>
+
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
 
 #include "parallel.h"
 #include "rlk/linear_logp.h"
@@ -32,6 +41,20 @@ constexpr int kRowVecs = kBlock / kLanes;
 
 inline int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
+#if defined(__AVX512BF16__)
+constexpr bool kDpBf16 = true;
+#else
+constexpr bool kDpBf16 = false;
+#endif
+bool dp_bf16(const Problem& p) { return kDpBf16 && p.dtype == DType::kBF16; }
+int64_t pair_steps(const Problem& p) { return cdiv(p.h, 2); }
+
+// bf16 elements x[2q], x[2q + 1] as one 32-bit pair (low half first: the element order in memory),
+// the missing x[h] of an odd h as 0.
+inline uint32_t bf16_pair(const uint16_t* x, int64_t q, int64_t h) {
+  return uint32_t(x[2 * q]) | (2 * q + 1 < h ? uint32_t(x[2 * q + 1]) << 16 : 0u);
+}
+
 // Hidden [n, h] -> panels Ap[panel][k][kPanel] in fp32, two per row block; rows past n are zero.
 std::vector<float> pack_hidden(const Problem& p, const void* hidden) {
   const int64_t panels = 2 * cdiv(p.n, kBlock);
@@ -47,6 +70,26 @@ std::vector<float> pack_hidden(const Problem& p, const void* hidden) {
   return ap;
 }
 
+// bf16 hidden -> pair panels Ap2[panel][k/2][kPanel] (dp_bf16); rows past n are zero.
+std::vector<uint32_t> pack_hidden_pairs(const Problem& p, const void* hidden) {
+  const int64_t panels = 2 * cdiv(p.n, kBlock), hk = pair_steps(p);
+  std::vector<uint32_t> ap(size_t(panels * kPanel * hk), 0u);
+  const uint16_t* x = static_cast<const uint16_t*>(hidden);
+  parallel_for(panels, workers_for(panels), [&](int, int64_t q) {
+    uint32_t* dst = ap.data() + q * kPanel * hk;
+    for (int64_t r = 0; r < kPanel && q * kPanel + r < p.n; ++r)
+      for (int64_t k = 0; k < hk; ++k) dst[k * kPanel + r] = bf16_pair(x + (q * kPanel + r) * p.h, k, p.h);
+  });
+  return ap;
+}
+
+// The hidden panels a call's GEMMs read: fp32 (the backward's, and the logits' unless dp_bf16)
+// and bf16 pairs (the logits' when dp_bf16).
+struct Panels {
+  std::vector<float> f32;
+  std::vector<uint32_t> pairs;
+};
+
 // Weight rows [v0, v0 + kTileV) -> wf[kTileV][h] fp32; rows at or past `v_end` are zero.
 void load_weight_tile(const Problem& p, const void* weight, int64_t v0, int64_t v_end, float* wf) {
   const int64_t rows = std::max<int64_t>(0, std::min(kTileV, v_end - v0));
@@ -54,8 +97,24 @@ void load_weight_tile(const Problem& p, const void* weight, int64_t v0, int64_t 
   std::fill(wf + rows * p.h, wf + kTileV * p.h, 0.f);
 }
 
+// Weight rows [v0, v0 + kTileV) -> wb[kTileV][h/2] bf16 pairs (dp_bf16); rows past `v_end` zero.
+void load_weight_pairs(const Problem& p, const void* weight, int64_t v0, int64_t v_end, uint32_t* wb) {
+  const int64_t rows = std::max<int64_t>(0, std::min(kTileV, v_end - v0)), hk = pair_steps(p);
+  const uint16_t* w = static_cast<const uint16_t*>(weight);
+  for (int64_t j = 0; j < rows; ++j)
+    for (int64_t k = 0; k < hk; ++k) wb[j * hk + k] = bf16_pair(w + (v0 + j) * p.h, k, p.h);
+  std::fill(wb + rows * hk, wb + kTileV * hk, 0u);
+}
+
+// A weight tile as the logits and the dH GEMM read it.
+struct WeightTile {
+  std::vector<float> wf;      // fp32 [kTileV][h]
+  std::vector<uint32_t> wb;   // bf16 pairs [kTileV][h/2] (dp_bf16)
+};
+
 // T[j][r] = sum_k wf[j][k] ap[k][r] for j < kGroupV, r < kPanel. One accumulator chain per
-// element, k in order: every logit of the library is computed by this function.
+// element, k in order: every logit of the library is computed by this function (or, dp_bf16, by
+// the pair version below).
 inline void logits_micro(const float* wf, const float* ap, int64_t h, float* t, int64_t ldt) {
   f32x16 acc[kGroupV][2] = {};
   for (int64_t k = 0; k < h; ++k) {
@@ -72,11 +131,66 @@ inline void logits_micro(const float* wf, const float* ap, int64_t h, float* t, 
   }
 }
 
-// Logits tile T[kTileV][kBlock] for the row block starting at panel q0 (two panels).
-void logits_tile(const float* wf, const float* ap, int64_t q0, int64_t h, float* t) {
+#if defined(__AVX512BF16__)
+// The same for bf16 pairs: T[j][r] = sum over pairs q of wb[j][q] . ap[q][r], one vdpbf16ps per
+// pair, q in order.
+inline __m512bh bf16_pairs(__m512i x) { return reinterpret_cast<__m512bh&>(x); }
+inline void logits_micro(const uint32_t* wb, const uint32_t* ap, int64_t hk, float* t, int64_t ldt) {
+  __m512 acc[kGroupV][2];
+  for (int64_t j = 0; j < kGroupV; ++j) acc[j][0] = acc[j][1] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < hk; ++k) {
+    const __m512bh b0 = bf16_pairs(_mm512_loadu_si512(ap + k * kPanel));
+    const __m512bh b1 = bf16_pairs(_mm512_loadu_si512(ap + k * kPanel + kLanes));
+    for (int64_t j = 0; j < kGroupV; ++j) {
+      const __m512bh w = bf16_pairs(_mm512_set1_epi32(int32_t(wb[j * hk + k])));
+      acc[j][0] = _mm512_dpbf16_ps(acc[j][0], w, b0);
+      acc[j][1] = _mm512_dpbf16_ps(acc[j][1], w, b1);
+    }
+  }
+  for (int64_t j = 0; j < kGroupV; ++j) {
+    _mm512_storeu_ps(t + j * ldt, acc[j][0]);
+    _mm512_storeu_ps(t + j * ldt + kLanes, acc[j][1]);
+  }
+}
+
+// One logit by the micro-kernel's sequence (a target's z_t): the pairs broadcast to every lane.
+float dot_pairs(const uint16_t* x, const uint16_t* w, int64_t h) {
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t q = 0; q < cdiv(h, 2); ++q)
+    acc = _mm512_dpbf16_ps(acc, bf16_pairs(_mm512_set1_epi32(int32_t(bf16_pair(w, q, h)))),
+                           bf16_pairs(_mm512_set1_epi32(int32_t(bf16_pair(x, q, h)))));
+  return _mm512_cvtss_f32(acc);
+}
+#endif
+
+// Logits tile T[kTileV][kBlock] for the row block starting at panel q0 (two panels); hk steps of
+// k (fp32) or of pairs of k (bf16 pairs).
+template <class E>
+void logits_tile(const E* w, const E* ap, int64_t q0, int64_t hk, float* t) {
   for (int64_t pq = 0; pq < 2; ++pq)
     for (int64_t j = 0; j < kTileV; j += kGroupV)
-      logits_micro(wf + j * h, ap + (q0 + pq) * kPanel * h, h, t + j * kBlock + pq * kPanel, kBlock);
+      logits_micro(w + j * hk, ap + (q0 + pq) * kPanel * hk, hk, t + j * kBlock + pq * kPanel, kBlock);
+}
+
+// The logits tile of row block blk from the weight tile w.
+void tile_logits(const Problem& p, const Panels& ap, const WeightTile& w, int64_t blk, float* t) {
+#if defined(__AVX512BF16__)
+  if (dp_bf16(p)) return logits_tile(w.wb.data(), ap.pairs.data(), 2 * blk, pair_steps(p), t);
+#endif
+  logits_tile(w.wf.data(), ap.f32.data(), 2 * blk, p.h, t);
+}
+
+// The weight tile the logits read (wb when dp_bf16, else wf).
+void load_logits_weight(const Problem& p, const void* weight, int64_t v0, int64_t v_end, WeightTile& w) {
+  if (dp_bf16(p)) load_weight_pairs(p, weight, v0, v_end, w.wb.data());
+  else load_weight_tile(p, weight, v0, v_end, w.wf.data());
+}
+
+WeightTile weight_tile(const Problem& p) {
+  WeightTile w;
+  w.wf.resize(size_t(kTileV * p.h));
+  if (dp_bf16(p)) w.wb.resize(size_t(kTileV * pair_steps(p)));
+  return w;
 }
 
 // Per-row data of one row block, as vectors of rows.
@@ -168,10 +282,11 @@ void load_kept(const Problem& p, const void* kept, int64_t r0, int64_t v0, int64
 // ---- forward ---------------------------------------------------------------------------------
 
 struct FwdScratch {
-  std::vector<float> wf, t;
+  WeightTile w;
+  std::vector<float> t;
 };
 
-void forward_unit(const Problem& p, const FwdArgs& a, const float* ap, int64_t blk, int64_t c,
+void forward_unit(const Problem& p, const FwdArgs& a, const Panels& ap, int64_t blk, int64_t c,
                   FwdScratch& s) {
   const int64_t r0 = blk * kBlock;
   const bool keep_q = a.logits && !kept_f32(p);  // the 16-bit kept record: q, tile maxima, moments
@@ -192,8 +307,8 @@ void forward_unit(const Problem& p, const FwdArgs& a, const float* ap, int64_t b
   const int64_t real_end = std::clamp<int64_t>(p.real_vocab - p.vocab_start, 0, p.v);
   for (int64_t v0 = c0; v0 < std::min(c1, real_end); v0 += kTileV) {
     const int64_t valid = std::min({kTileV, c1 - v0, real_end - v0});
-    load_weight_tile(p, a.weight, v0, v0 + valid, s.wf.data());
-    logits_tile(s.wf.data(), ap, 2 * blk, p.h, s.t.data());
+    load_logits_weight(p, a.weight, v0, v0 + valid, s.w);
+    tile_logits(p, ap, s.w, blk, s.t.data());
     scale_tile(s.t.data(), p.has_bias ? a.bias + v0 : nullptr, valid, inv_temp);
     if (a.logits && !keep_q) store_kept(p, a.logits, r0, v0, valid, s.t.data());
     for (int rv = 0; rv < kRowVecs; ++rv) {
@@ -245,6 +360,20 @@ void forward_unit(const Problem& p, const FwdArgs& a, const float* ap, int64_t b
     }
 }
 
+// h_r . w_j by the logits' own sequence (hrow, wrow: scratch of h floats).
+float target_dot(const Problem& p, const FwdArgs& a, int64_t r, int64_t j, float* hrow, float* wrow) {
+#if defined(__AVX512BF16__)
+  if (dp_bf16(p))
+    return dot_pairs(static_cast<const uint16_t*>(a.hidden) + r * p.h, static_cast<const uint16_t*>(a.weight) + j * p.h,
+                     p.h);
+#endif
+  to_f32(p.dtype, a.hidden, r * p.h, p.h, hrow);
+  to_f32(p.dtype, a.weight, j * p.h, p.h, wrow);
+  float acc = 0.f;
+  for (int64_t k = 0; k < p.h; ++k) acc = std::fma(hrow[k], wrow[k], acc);
+  return acc;
+}
+
 // target_logit[r]: z of the target when it is a real id of this shard, else 0.
 void target_logits(const Problem& p, const FwdArgs& a) {
   const int64_t real_end = std::min(p.real_vocab, p.vocab_start + p.v);
@@ -256,10 +385,7 @@ void target_logits(const Problem& p, const FwdArgs& a) {
         a.target_logit[r] = 0.f;
         continue;
       }
-      to_f32(p.dtype, a.hidden, r * p.h, p.h, hrow.data());
-      to_f32(p.dtype, a.weight, (t - p.vocab_start) * p.h, p.h, wrow.data());
-      float acc = 0.f;
-      for (int64_t k = 0; k < p.h; ++k) acc = std::fma(hrow[k], wrow[k], acc);
+      const float acc = target_dot(p, a, r, t - p.vocab_start, hrow.data(), wrow.data());
       const float b = p.has_bias ? a.bias[t - p.vocab_start] : 0.f;
       a.target_logit[r] = (acc + b) * reciprocal(a.temperature[r]);
     }
@@ -331,12 +457,12 @@ void dlogit_tile(float* t, int64_t gid0, int64_t valid, const RowBlock& rb, cons
 }
 
 // The tile of row block `blk` and columns [v0, v0 + valid) (forward tile `tile` of the row): from
-// the kept buffer (fast) or recomputed (lean; needs the weight tile in wf).
-void z_tile(const Problem& p, const BwdArgs& a, const float* ap, int64_t blk, int64_t v0, int64_t valid,
-            int64_t tile, const RowBlock& rb, const float* wf, float* t, TileKind& kind) {
+// the kept buffer (fast) or recomputed (lean; needs the logits' weight tile in w).
+void z_tile(const Problem& p, const BwdArgs& a, const Panels& ap, int64_t blk, int64_t v0, int64_t valid,
+            int64_t tile, const RowBlock& rb, const WeightTile& w, float* t, TileKind& kind) {
   kind.q = a.logits && !kept_f32(p);
   if (!a.logits) {
-    logits_tile(wf, ap, 2 * blk, p.h, t);
+    tile_logits(p, ap, w, blk, t);
     scale_tile(t, p.has_bias ? a.bias + v0 : nullptr, valid, rb.inv_temp);
     return;
   }
@@ -380,12 +506,13 @@ void kept_dzz(const Problem& p, const BwdArgs& a, int64_t blk, const RowBlock& r
 }
 
 struct BwdScratch {
-  std::vector<float> wf, t, dh;  // pass 1
+  WeightTile w;
+  std::vector<float> t, dh;  // pass 1
   std::vector<float> dwt, dt, row;  // pass 2: dW^T [h][kTileV], dlogit^T [kBlock][kTileV], a dW row [h]
 };
 
 // Pass 1: dH and dT of one row block, over the whole local vocab in order.
-void dhidden_unit(const Problem& p, const BwdArgs& a, const float* ap, int64_t blk, BwdScratch& s) {
+void dhidden_unit(const Problem& p, const BwdArgs& a, const Panels& ap, int64_t blk, BwdScratch& s) {
   RowBlock rb;
   load_row_block(p, a, blk, rb);
   f32x16 dzz[kRowVecs] = {};
@@ -398,8 +525,9 @@ void dhidden_unit(const Problem& p, const BwdArgs& a, const float* ap, int64_t b
     for (int64_t v0 = c0; v0 < std::min(c0 + p.chunk, real_end); v0 += kTileV) {
       const int64_t valid = std::min({kTileV, c0 + p.chunk - v0, real_end - v0});
       const int64_t tile = c0 / p.chunk * tiles_per_chunk + (v0 - c0) / kTileV;
-      load_weight_tile(p, a.weight, v0, v0 + valid, s.wf.data());
-      z_tile(p, a, ap, blk, v0, valid, tile, rb, s.wf.data(), s.t.data(), kind);
+      load_weight_tile(p, a.weight, v0, v0 + valid, s.w.wf.data());  // dH's operand
+      if (!a.logits && dp_bf16(p)) load_weight_pairs(p, a.weight, v0, v0 + valid, s.w.wb.data());
+      z_tile(p, a, ap, blk, v0, valid, tile, rb, s.w, s.t.data(), kind);
       dlogit_tile(s.t.data(), p.vocab_start + v0, valid, rb, kind, p.with_entropy, kind.q ? nullptr : dzz);
       // dh[r][k] += sum_j dlogit[j][r] wf[j][k]: eight rows by two vectors of k per step.
       for (int64_t r = 0; r < kBlock; r += 8)
@@ -410,7 +538,7 @@ void dhidden_unit(const Problem& p, const BwdArgs& a, const float* ap, int64_t b
             acc[i][1] = load16(&s.dh[(r + i) * p.h + k + kLanes]);
           }
           for (int64_t j = 0; j < valid; ++j) {
-            const f32x16 w0 = load16(&s.wf[j * p.h + k]), w1 = load16(&s.wf[j * p.h + k + kLanes]);
+            const f32x16 w0 = load16(&s.w.wf[j * p.h + k]), w1 = load16(&s.w.wf[j * p.h + k + kLanes]);
             const float* d = s.t.data() + j * kBlock + r;
             for (int i = 0; i < 8; ++i) {
               acc[i][0] += d[i] * w0;
@@ -425,7 +553,7 @@ void dhidden_unit(const Problem& p, const BwdArgs& a, const float* ap, int64_t b
       for (int64_t k = p.h - p.h % (2 * kLanes); k < p.h; ++k)  // h tail, same order per element
         for (int64_t r = 0; r < kBlock; ++r) {
           float acc = s.dh[r * p.h + k];
-          for (int64_t j = 0; j < valid; ++j) acc += s.t[j * kBlock + r] * s.wf[j * p.h + k];
+          for (int64_t j = 0; j < valid; ++j) acc += s.t[j * kBlock + r] * s.w.wf[j * p.h + k];
           s.dh[r * p.h + k] = acc;
         }
     }
@@ -439,7 +567,7 @@ void dhidden_unit(const Problem& p, const BwdArgs& a, const float* ap, int64_t b
 
 // Pass 2: dW and db of one vocab tile (the forward's tiles: kTileV columns from each chunk's
 // first), over all row blocks in order.
-void dweight_unit(const Problem& p, const BwdArgs& a, const float* ap, int64_t tile, BwdScratch& s) {
+void dweight_unit(const Problem& p, const BwdArgs& a, const Panels& ap, int64_t tile, BwdScratch& s) {
   const int64_t tiles_per_chunk = cdiv(p.chunk, kTileV);
   const int64_t c1 = (tile / tiles_per_chunk + 1) * p.chunk;
   const int64_t v0 = tile / tiles_per_chunk * p.chunk + tile % tiles_per_chunk * kTileV;
@@ -449,13 +577,13 @@ void dweight_unit(const Problem& p, const BwdArgs& a, const float* ap, int64_t t
   std::fill(s.dwt.begin(), s.dwt.end(), 0.f);  // dwt[k][j]
   float db[kTileV] = {};
   if (valid > 0) {
-    if (!a.logits) load_weight_tile(p, a.weight, v0, v0 + valid, s.wf.data());
+    if (!a.logits) load_logits_weight(p, a.weight, v0, v0 + valid, s.w);
     RowBlock rb;
     TileKind kind;
     std::vector<float>& dt = s.dt;  // dlogit transposed: dt[r][j]
     for (int64_t blk = 0; blk < cdiv(p.n, kBlock); ++blk) {
       load_row_block(p, a, blk, rb);
-      z_tile(p, a, ap, blk, v0, valid, tile, rb, s.wf.data(), s.t.data(), kind);
+      z_tile(p, a, ap, blk, v0, valid, tile, rb, s.w, s.t.data(), kind);
       dlogit_tile(s.t.data(), p.vocab_start + v0, valid, rb, kind, p.with_entropy, nullptr);
       for (int64_t j = 0; j < kTileV; ++j)
         for (int64_t r = 0; r < kBlock; ++r) {
@@ -464,7 +592,7 @@ void dweight_unit(const Problem& p, const BwdArgs& a, const float* ap, int64_t t
         }
       // dwt[k][j] += sum_r ap[k][r] dt[r][j]: four k by four vectors of j per step.
       for (int64_t pq = 0; pq < 2; ++pq) {
-        const float* apq = ap + (2 * blk + pq) * kPanel * p.h;
+        const float* apq = ap.f32.data() + (2 * blk + pq) * kPanel * p.h;
         const float* dtq = dt.data() + pq * kPanel * kTileV;
         for (int64_t k = 0; k < p.h; k += 4) {
           const int kk = int(std::min<int64_t>(4, p.h - k));
@@ -498,15 +626,17 @@ void dweight_unit(const Problem& p, const BwdArgs& a, const float* ap, int64_t t
 Status forward(const Problem& p, const FwdArgs& a) {
   if (p.chunk <= 0 || p.v % p.chunk != 0) return "rlk cpu forward: chunk must divide the local vocab";
   if (p.n == 0) return nullptr;
-  const std::vector<float> ap = pack_hidden(p, a.hidden);
+  Panels ap;
+  if (dp_bf16(p)) ap.pairs = pack_hidden_pairs(p, a.hidden);
+  else ap.f32 = pack_hidden(p, a.hidden);
   const int64_t k = num_chunks(p), units = cdiv(p.n, kBlock) * k;
   const int workers = workers_for(units);
   std::vector<FwdScratch> scratch(static_cast<size_t>(workers));
   for (auto& s : scratch) {
-    s.wf.resize(size_t(kTileV * p.h));
+    s.w = weight_tile(p);
     s.t.resize(size_t(kTileV * kBlock));
   }
-  parallel_for(units, workers, [&](int w, int64_t u) { forward_unit(p, a, ap.data(), u / k, u % k, scratch[w]); });
+  parallel_for(units, workers, [&](int w, int64_t u) { forward_unit(p, a, ap, u / k, u % k, scratch[w]); });
   target_logits(p, a);
   return nullptr;
 }
@@ -539,12 +669,14 @@ Status backward(const Problem& p, const BwdArgs& a) {
     if (a.dbias) std::fill(a.dbias, a.dbias + p.v, 0.f);
     return nullptr;
   }
-  const std::vector<float> ap = pack_hidden(p, a.hidden);
+  Panels ap;
+  ap.f32 = pack_hidden(p, a.hidden);  // dW's operand
+  if (!a.logits && dp_bf16(p)) ap.pairs = pack_hidden_pairs(p, a.hidden);  // lean's logits
   const int64_t blocks = cdiv(p.n, kBlock), tiles = num_chunks(p) * cdiv(p.chunk, kTileV);
   auto make = [&](int workers, bool pass1) {
     std::vector<BwdScratch> sc(static_cast<size_t>(workers));
     for (auto& s : sc) {
-      s.wf.resize(size_t(kTileV * p.h));
+      s.w = weight_tile(p);
       s.t.resize(size_t(kTileV * kBlock));
       if (pass1) {
         s.dh.resize(size_t(kBlock * p.h));
@@ -559,12 +691,12 @@ Status backward(const Problem& p, const BwdArgs& a) {
   {
     const int workers = workers_for(blocks);
     auto sc = make(workers, true);
-    parallel_for(blocks, workers, [&](int w, int64_t blk) { dhidden_unit(p, a, ap.data(), blk, sc[w]); });
+    parallel_for(blocks, workers, [&](int w, int64_t blk) { dhidden_unit(p, a, ap, blk, sc[w]); });
   }
   {
     const int workers = workers_for(tiles);
     auto sc = make(workers, false);
-    parallel_for(tiles, workers, [&](int w, int64_t tile) { dweight_unit(p, a, ap.data(), tile, sc[w]); });
+    parallel_for(tiles, workers, [&](int w, int64_t tile) { dweight_unit(p, a, ap, tile, sc[w]); });
   }
   return nullptr;
 }
