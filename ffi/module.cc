@@ -5,7 +5,6 @@
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
-#include <nanobind/stl/tuple.h>
 
 #include <optional>
 #include <stdexcept>
@@ -52,7 +51,7 @@ nb::dict targets(Handler* forward, Handler* forward_keep, Handler* combine, Hand
 }
 #endif
 
-rlk::Problem shape_problem(int64_t n, int64_t h, int64_t v, int64_t chunk, int dtype, bool has_bias,
+rlk::Problem shape_problem(int64_t n, int64_t h, int64_t v, int64_t chunk, rlk::DType dtype, bool has_bias,
                            bool with_entropy) {
   rlk::Problem p;
   p.n = n;
@@ -60,7 +59,7 @@ rlk::Problem shape_problem(int64_t n, int64_t h, int64_t v, int64_t chunk, int d
   p.v = v;
   p.chunk = chunk;
   p.real_vocab = v;
-  p.dtype = rlk::DType(dtype);
+  p.dtype = dtype;
   p.has_bias = has_bias;
   p.with_entropy = with_entropy;
   return p;
@@ -279,6 +278,12 @@ NB_MODULE(_rlk_core, m) {
   m.attr("has_xla_ffi") = bool(RLK_HAVE_XLA_FFI);
   m.attr("has_cuda") = bool(RLK_HAVE_CUDA);
 
+  // The operand dtypes, named as jax and torch name them; the codes are rlk::DType's.
+  nb::enum_<rlk::DType>(m, "DType", "Operand dtype of a problem shape (rlk::DType).")
+      .value("float32", rlk::DType::kF32)
+      .value("float16", rlk::DType::kF16)
+      .value("bfloat16", rlk::DType::kBF16);
+
   m.def("canonical_chunk", &rlk::canonical_chunk, nb::arg("vocab_global"),
         "Canonical chunk width of a global (padded) vocab: depends on the vocab size only.");
 
@@ -294,38 +299,40 @@ NB_MODULE(_rlk_core, m) {
   });
 
   m.def("kept_bytes",
-        [](int64_t n, int64_t v, int64_t chunk, int dtype, const std::string& device) {
+        [](int64_t n, int64_t v, int64_t chunk, rlk::DType dtype, const std::string& device) {
           if (device != "cpu" && device != "cuda")
             throw std::invalid_argument("rlk: kept_bytes device must be 'cpu' or 'cuda', got '" + device + "'");
           if (chunk <= 0 || v % chunk != 0) throw std::invalid_argument("rlk: chunk must divide the local vocab");
           const rlk::Problem p = shape_problem(n, 0, v, chunk, dtype, false, false);
           return int64_t(kept_bytes_on(device == "cpu" ? nb::device::cpu::value : nb::device::cuda::value, p));
         },
-        nb::arg("n"), nb::arg("v"), nb::arg("chunk"), nb::arg("dtype"), nb::arg("device"),
+        nb::arg("n"), nb::arg("v"), nb::arg("chunk"), nb::arg("dtype").noconvert(), nb::arg("device"),
         "Bytes of the fast backward's kept buffer (uint8) on device 'cpu' or 'cuda' for this problem shape:\n"
         "each backend keeps what its backward reads, in its own layout.");
 
   m.def("cuda_workspace_bytes",
-        [](int64_t n, int64_t h, int64_t v, int64_t chunk, int dtype, bool has_bias, bool with_entropy,
+        [](int64_t n, int64_t h, int64_t v, int64_t chunk, rlk::DType dtype, bool has_bias, bool with_entropy,
            bool dhidden_f32) {
+          nb::dict out;
 #if RLK_HAVE_CUDA
           const rlk::Problem p = shape_problem(n, h, v, chunk, dtype, has_bias, with_entropy);
           const rlk::DType dh = dhidden_f32 ? rlk::DType::kF32 : p.dtype;
-          return std::make_tuple(int64_t(rlk::cuda::forward_workspace_bytes(p)),
-                                 int64_t(rlk::cuda::backward_workspace_bytes(p, false, dh)),
-                                 int64_t(rlk::cuda::backward_workspace_bytes(p, true, dh)));
+          out["forward"] = int64_t(rlk::cuda::forward_workspace_bytes(p));
+          out["lean"] = int64_t(rlk::cuda::backward_workspace_bytes(p, false, dh));
+          out["fast"] = int64_t(rlk::cuda::backward_workspace_bytes(p, true, dh));
 #else
           (void)shape_problem(n, h, v, chunk, dtype, has_bias, with_entropy), (void)dhidden_f32;
-          return std::make_tuple(int64_t(0), int64_t(0), int64_t(0));
+          for (const char* key : {"forward", "lean", "fast"}) out[key] = int64_t(0);
 #endif
+          return out;
         },
-        nb::arg("n"), nb::arg("h"), nb::arg("v"), nb::arg("chunk"), nb::arg("dtype"), nb::arg("has_bias"),
+        nb::arg("n"), nb::arg("h"), nb::arg("v"), nb::arg("chunk"), nb::arg("dtype").noconvert(), nb::arg("has_bias"),
         nb::arg("with_entropy"), nb::arg("dhidden_f32"),
-        "(forward, lean backward, fast backward) CUDA workspace bytes for this problem shape; the\n"
-        "backward's with dhidden in float32 (a vocab shard's partial sum) or in the operand dtype.");
+        "CUDA workspace bytes for this problem shape: {'forward', 'lean', 'fast'} (the forward and each backward\n"
+        "strategy; the backward's with dhidden in float32, a vocab shard's partial sum, or in the operand dtype).");
 
   m.def("cuda_lean_plan",
-        [](int64_t n, int64_t h, int64_t v, int dtype, bool dhidden_f32, bool fused) {
+        [](int64_t n, int64_t h, int64_t v, rlk::DType dtype, bool dhidden_f32, bool fused) {
           const rlk::Problem p = shape_problem(n, h, v, v, dtype, false, false);
           const rlk::cuda::LeanPlan plan = rlk::cuda::lean_plan(p, fused, dhidden_f32 ? rlk::DType::kF32 : p.dtype);
           const rlk::cuda::LeanLayout& L = plan.layout;
@@ -365,7 +372,7 @@ NB_MODULE(_rlk_core, m) {
           out["layout"] = layout;
           return out;
         },
-        nb::arg("n"), nb::arg("h"), nb::arg("v"), nb::arg("dtype"), nb::arg("dhidden_f32"), nb::arg("fused"),
+        nb::arg("n"), nb::arg("h"), nb::arg("v"), nb::arg("dtype").noconvert(), nb::arg("dhidden_f32"), nb::arg("fused"),
         "The CUDA lean backward's plan for this shape (host code: in every build; for tests and reports):\n"
         "workspace_bytes, ws_tile_bytes, rows_per_pass, pieces [(col, cols, width, borrowed, tile_bytes)] (the\n"
         "first sweep's), dh_sweeps [(r0, in, r1)]: dH rows [r0, r1), [r0, r0 + in) accumulated inside dhidden;\n"

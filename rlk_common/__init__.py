@@ -1,9 +1,9 @@
 """The framework-neutral rules both frontends (rlk_xla, torch_bridge) share: the modes, the
-backward strategies and their memory budget, and the compiled module's route counters (the
-host-side route log over them: routes.py).
+backward strategies and their memory budget, the dtype codes and buffer sizes of the compiled
+module (dtypes by name), and its route counters (the host-side route log over them: routes.py).
 
 Imports neither jax nor torch: each frontend passes in what only it knows (its compiled module,
-its dtype codes and devices).
+its dtypes by name, and devices).
 """
 from __future__ import annotations
 
@@ -132,12 +132,31 @@ def backward_memory_budget(budget) -> int:
     return int(budget)
 
 
-def kept_bytes(core, n: int, v_local: int, chunk: int, dtype_code: int, device: str) -> int:
-    """Bytes the fast backward keeps for one shard (n rows, v_local vocab rows), in the layout of
-    the backend on `device` ("cpu" or "cuda"): the frontends allocate this many uint8 and compare
-    it with backward_memory_budget. Both backends' layouts are a record per row, so this is n times
-    one row's bytes (n may be a symbolic size under torch.compile)."""
-    return n * int(core.kept_bytes(1, v_local, chunk, dtype_code, device))
+def dtype_code(core, name: str):
+    """The compiled module's code for the operand dtype named `name` as jax and torch name it
+    ("float32", "float16", "bfloat16"): a member of core.DType, which binds rlk::DType, so the codes
+    have one home, the C++ enum. ValueError for a dtype the kernels do not take."""
+    code = core.DType.__members__.get(name)
+    if code is None:
+        raise ValueError(f"dtype {name}: the kernels take {', '.join(core.DType.__members__)}")
+    return code
+
+
+def kept_bytes(core, n: int, v_local: int, chunk: int, dtype: str, device: str) -> int:
+    """Bytes the fast backward keeps for one shard (n rows, v_local vocab rows of the dtype named
+    `dtype`), in the layout of the backend on `device` ("cpu" or "cuda"): the frontends allocate
+    this many uint8 and compare it with backward_memory_budget. Both backends' layouts are a record
+    per row, so this is n times one row's bytes (n may be a symbolic size under torch.compile)."""
+    return n * int(core.kept_bytes(1, v_local, chunk, dtype_code(core, dtype), device))
+
+
+def cuda_workspace_bytes(core, n: int, h: int, v_local: int, chunk: int, dtype: str, has_bias: bool,
+                         with_entropy: bool, dhidden_f32: bool) -> dict:
+    """CUDA scratch bytes of one shard's calls, {"forward", "lean", "fast"} (the forward and each
+    backward strategy; the backward's with dhidden in float32, a vocab shard's partial sum, or in
+    the dtype named `dtype`); 0 in a build without CUDA."""
+    return core.cuda_workspace_bytes(n, h, v_local, chunk, dtype_code(core, dtype), has_bias, with_entropy,
+                                     dhidden_f32)
 
 
 def resolve_backward(backward: str, kept_bytes: int, budget=None) -> str:

@@ -155,20 +155,17 @@ def validate_targets(targets, vocab_size: int, ignore_index: int = -100) -> None
                          f"ignore_index={ignore_index} ({bad.size} bad ids in all)")
 
 
-DTYPE_CODE = {jnp.dtype(jnp.float32): 0, jnp.dtype(jnp.float16): 1, jnp.dtype(jnp.bfloat16): 2}
-
-
 def kept_bytes(n: int, v_local: int, chunk: int, dtype) -> int:
     """Bytes of the fast backward's kept buffer (uint8) in the layout of the default backend's
     kernels (the platform is not known at trace time; the kernels accept a larger buffer)."""
     device = "cuda" if jax.default_backend() == "gpu" and core.has_cuda else "cpu"
-    return common.kept_bytes(core, n, v_local, chunk, DTYPE_CODE[jnp.dtype(dtype)], device)
+    return common.kept_bytes(core, n, v_local, chunk, jnp.dtype(dtype).name, device)
 
 
 def resolve_backward(backward: str, a: Args, budget) -> str:
     """"fast" or "lean" (rlk_common.resolve_backward): auto is fast when the kept buffer
     (kept_bytes) fits the budget (bytes; None: env RLK_BACKWARD_MEMORY_BUDGET, else 4 GiB)."""
-    if jnp.dtype(a.hidden.dtype) not in DTYPE_CODE:  # the reference runs: nothing is kept
+    if jnp.dtype(a.hidden.dtype) not in SUPPORTED_DTYPES:  # the reference runs: nothing is kept
         return common.resolve_backward(backward, 0, budget)
     return common.resolve_backward(backward, kept_bytes(a.hidden.shape[0], a.weight.shape[0], a.chunk,
                                                         a.hidden.dtype), budget)

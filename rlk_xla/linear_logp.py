@@ -1,6 +1,6 @@
 """rlk_xla.linear_logp: log_softmax(hidden @ W^T / T)[target] without materializing the logits.
 
-The fused path is a jax.custom_vjp over three compiled kernels (rlk_xla._kernels): per-chunk
+The fused path is a jax.custom_vjp over three compiled kernels (rlk_xla._ops): per-chunk
 forward statistics, a fixed-order combine, and the backward. Under shard_map with `axis_name`,
 `weight` is this device's vocab shard; the shards exchange only per-row, per-chunk statistics.
 """
@@ -15,7 +15,7 @@ from jax import lax
 
 import rlk_common as common
 
-from . import _kernels as K
+from . import _ops
 from . import reference, routes
 from ._args import SUPPORTED_DTYPES, Args, parse, resolve_backward
 from ._compat import psum_to, pvary
@@ -96,7 +96,7 @@ def _unsupported(a: Args) -> str | None:
 
 @dataclasses.dataclass(frozen=True)
 class _Static:
-    cfg: K.KernelConfig
+    cfg: _ops.KernelConfig
     real_vocab: int          # of the global vocab, for the combine
     ignore_index: int
     axis_name: object
@@ -110,7 +110,7 @@ def fused_rows(a: Args, with_entropy: bool, keep_logits: bool = False, different
     v_local = a.weight.shape[0]
     bias, ktargets = (None if a.bias is None else a.bias.astype(F32)), a.targets
     if a.axis_name is None:
-        cfg = K.KernelConfig(vocab_start=0, real_vocab=a.real_vocab, chunk=a.chunk, ignore_index=a.ignore_index,
+        cfg = _ops.KernelConfig(vocab_start=0, real_vocab=a.real_vocab, chunk=a.chunk, ignore_index=a.ignore_index,
                              has_bias=bias is not None, with_entropy=with_entropy)
     else:
         # One program for every shard: the shard's offset is a run-time value, so the kernels see
@@ -120,7 +120,7 @@ def fused_rows(a: Args, with_entropy: bool, keep_logits: bool = False, different
             pad = jnp.where(gid >= a.real_vocab, PAD_LOGIT, 0.0).astype(F32)
             bias = pad if bias is None else bias + pad
         ktargets = _shard_targets(a, v_local)
-        cfg = K.KernelConfig(vocab_start=0, real_vocab=a.v_global, chunk=a.chunk, ignore_index=a.ignore_index,
+        cfg = _ops.KernelConfig(vocab_start=0, real_vocab=a.v_global, chunk=a.chunk, ignore_index=a.ignore_index,
                              has_bias=bias is not None, with_entropy=with_entropy)
     st = _Static(cfg=cfg, real_vocab=a.real_vocab, ignore_index=a.ignore_index, axis_name=a.axis_name, tp=a.tp,
                  keep_logits=keep_logits)
@@ -167,7 +167,7 @@ def _varying(st: _Static, *xs):
 def _fused_fwd(st: _Static, hidden, weight, bias, temperature, targets, ktargets, chunk_offset):
     hidden, weight, bias, temperature = _first_order_only((hidden, weight, bias, temperature))
     hk, tk, ktk = _varying(st, hidden, temperature, ktargets)
-    stats, target_logit, *kept = K.forward(hk, weight, bias, ktk, tk, st.cfg, keep_logits=st.keep_logits)
+    stats, target_logit, *kept = _ops.forward(hk, weight, bias, ktk, tk, st.cfg, keep_logits=st.keep_logits)
     if st.axis_name is not None:
         # Every shard places its chunks at their global position and the sum over shards adds
         # exact zeros elsewhere: all shards then hold the same [n, chunks, 3] statistics, which the
@@ -177,7 +177,7 @@ def _fused_fwd(st: _Static, hidden, weight, bias, temperature, targets, ktargets
         full = lax.dynamic_update_slice(full, stats, (0, chunk_offset, 0))
         stats = lax.psum(full, st.axis_name)
         target_logit = lax.psum(target_logit, st.axis_name)
-    logp, ent, m, log_s = K.combine(stats, target_logit, targets, real_vocab=st.real_vocab,
+    logp, ent, m, log_s = _ops.combine(stats, target_logit, targets, real_vocab=st.real_vocab,
                                     ignore_index=st.ignore_index)
     if not st.cfg.with_entropy:
         ent = jnp.zeros_like(logp)
@@ -191,7 +191,7 @@ def _fused_bwd(st: _Static, res, cts):
     hk, tk, ktk, mk, lsk, ek, gk, eek = _varying(st, hidden, temperature, ktargets, m, log_s, ent, g.astype(F32),
                                                  e.astype(F32))
     # A shard's dH is a partial sum: f32 until the all-reduce; the whole vocab's comes in the dtype.
-    dh, dw, db, dtemp = K.backward(hk, weight, bias, ktk, tk, mk, lsk, ek, gk, eek, st.cfg, logits=kept,
+    dh, dw, db, dtemp = _ops.backward(hk, weight, bias, ktk, tk, mk, lsk, ek, gk, eek, st.cfg, logits=kept,
                                    dhidden_f32=st.axis_name is not None)
     if st.axis_name is not None:
         # dH and dT are partial sums over this shard's vocab: one all-reduce each over the vocab

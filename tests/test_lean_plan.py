@@ -7,18 +7,34 @@ dtype (the whole vocab) that includes up to half of dH's fp32 accumulator. It mu
 the rows in order and keep their fp32 rows within dhidden's bytes. At the shapes of docs/design.md
 §6 there is one sweep. A piece's tiles either sit in the workspace or borrow dW's rows
 past the piece (not written yet): they must fit there and never reach the piece's own rows.
+Also: the shape functions take the operand dtype as a named code (core.DType), never a bare int.
 """
 import itertools
 
 import pytest
 
 import _rlk_core as core
+import rlk_common as common
 from rlk_common import SHAPES  # docs/design.md §6
 
-F32, F16, BF16 = 0, 1, 2
+F32, F16, BF16 = core.DType.float32, core.DType.float16, core.DType.bfloat16
 MIB = 1 << 20
 ODD = {"n1": (1, 64, 1000), "n3": (3, 2048, 151936), "n127-v7013": (127, 64, 7013),
        "n4097": (4097, 2048, 151936), "passes": (80000, 64, 7013), "borrow": (16384, 2048, 151936)}
+
+
+def test_dtype_codes_are_named():
+    assert {d.name: d.value for d in core.DType} == {"float32": 0, "float16": 1, "bfloat16": 2}  # rlk::DType
+    assert common.dtype_code(core, "bfloat16") is BF16
+    with pytest.raises(ValueError, match="float64: the kernels take float32, float16, bfloat16"):
+        common.dtype_code(core, "float64")
+    for call in (lambda: core.kept_bytes(1, 64, 64, 2, "cpu"), lambda: core.cuda_lean_plan(1, 64, 64, 2, False, True),
+                 lambda: core.cuda_workspace_bytes(1, 64, 64, 64, 2, False, False, True)):
+        with pytest.raises(TypeError):
+            call()
+    assert common.kept_bytes(core, 3, 64, 64, "float32", "cpu") == 3 * core.kept_bytes(1, 64, 64, F32, "cpu")
+    assert set(common.cuda_workspace_bytes(core, 1, 64, 64, 64, "bfloat16", False, False, True)) == {
+        "forward", "lean", "fast"}
 
 
 def _plan(n, h, v, dhidden_f32, fused):
@@ -45,7 +61,7 @@ def test_lean_pieces_cover_the_vocab_and_fit(name, fused):
             assert c0 == col and 0 < cols <= width and width % 256 == 0
             assert cols == width or c0 + cols == v  # only the vocab's end is narrower than its tiles
             if borrowed:  # dW's rows [c0 + cols, v), after aligning the start to 256 bytes
-                assert tile_bytes + 256 <= (v - c0 - cols) * h * BF16
+                assert tile_bytes + 256 <= (v - c0 - cols) * h * 2  # bf16 dW rows
             else:
                 assert tile_bytes <= plan["ws_tile_bytes"]
             col += cols
@@ -57,13 +73,13 @@ def test_lean_pieces_cover_the_vocab_and_fit(name, fused):
 def test_lean_workspace_within_256_mib_whatever_n_and_v(h):
     for n in (1, 127, 16384, 24000, 32768, 65536, 1 << 18, 1 << 20, 1 << 22):
         for v in (1000, 151936, 1 << 20):
-            for dtype in (0, BF16):  # float32, bfloat16 operands
+            for dtype in (F32, BF16):
                 for dhidden_f32 in (False, True):
                     for fused in (True, False):
                         plan = core.cuda_lean_plan(n, h, v, dtype, dhidden_f32, fused)
                         assert plan["workspace_bytes"] <= 256 * MIB, (n, h, v, dtype, dhidden_f32, fused)
-                        _check_sweeps(plan["dh_sweeps"], n, 4 if dhidden_f32 or dtype == 0 else 2)
-                        _check_later_sweep_tiles(plan, v, 4 if dtype == 0 else 2, fused)
+                        _check_sweeps(plan["dh_sweeps"], n, 4 if dhidden_f32 or dtype == F32 else 2)
+                        _check_later_sweep_tiles(plan, v, 4 if dtype == F32 else 2, fused)
 
 
 def _check_later_sweep_tiles(plan, v, eb, fused):

@@ -19,7 +19,11 @@ from ._core import core
 
 F32 = torch.float32
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-DTYPE_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The dtype's name as rlk_common and jax name it ("bfloat16" for torch.bfloat16)."""
+    return str(dtype).removeprefix("torch.")
 
 
 @dataclasses.dataclass
@@ -204,7 +208,7 @@ def validate_targets(targets, vocab_size: int, ignore_index: int = -100) -> None
 def unsupported(hidden: torch.Tensor) -> str | None:
     """Why the fused kernels cannot take tensors like `hidden` (the fallback reason), or None."""
     if hidden.dtype not in SUPPORTED_DTYPES:
-        return f"dtype {str(hidden.dtype).replace('torch.', '')} (supported: bfloat16, float16, float32)"
+        return f"dtype {dtype_name(hidden.dtype)} (supported: bfloat16, float16, float32)"
     dev = hidden.device.type
     if dev == "cpu":
         return None
@@ -216,16 +220,16 @@ def unsupported(hidden: torch.Tensor) -> str | None:
 def kept_bytes(n: int, v_local: int, chunk: int, dtype: torch.dtype, device: torch.device) -> int:
     """Bytes of the fast backward's kept buffer (uint8) for the kernels of `device`; 0 where the
     kernels do not run (unsupported dtype or device: nothing is kept)."""
-    if dtype not in DTYPE_CODE or device.type not in ("cpu", "cuda"):
+    if dtype not in SUPPORTED_DTYPES or device.type not in ("cpu", "cuda"):
         return 0
-    return n * _kept_row_bytes(int(v_local), int(chunk), DTYPE_CODE[dtype], device.type)
+    return n * _kept_row_bytes(int(v_local), int(chunk), dtype_name(dtype), device.type)
 
 
 @torch.compiler.assume_constant_result
-def _kept_row_bytes(v_local: int, chunk: int, dtype_code: int, device: str) -> int:
+def _kept_row_bytes(v_local: int, chunk: int, dtype: str, device: str) -> int:
     """One row's kept bytes (rlk_common.kept_bytes), a constant for torch.compile, which cannot
     trace the compiled module's call; n may be symbolic."""
-    return common.kept_bytes(core, 1, v_local, chunk, dtype_code, device)
+    return common.kept_bytes(core, 1, v_local, chunk, dtype, device)
 
 
 def resolve_backward(backward: str, n: int, v_local: int, chunk: int, dtype: torch.dtype, device: torch.device,

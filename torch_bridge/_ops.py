@@ -34,7 +34,9 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from ._args import DTYPE_CODE, kept_bytes
+import rlk_common as common
+
+from ._args import dtype_name, kept_bytes
 from ._core import core
 
 F32 = torch.float32
@@ -54,9 +56,6 @@ def _c(t: Optional[Tensor]) -> Optional[Tensor]:
     return None if t is None else t.detach().contiguous()
 
 
-FORWARD, BACKWARD_LEAN, BACKWARD_FAST = range(3)  # the order of core.cuda_workspace_bytes's sizes
-
-
 @functools.lru_cache(maxsize=None)
 def _prepare_backward(device_index: int) -> None:
     """cuBLAS (the backward's GEMMs) and its handle for this device, once per process: creating the
@@ -65,17 +64,17 @@ def _prepare_backward(device_index: int) -> None:
 
 
 def workspace_bytes(n: int, h: int, v: int, chunk: int, dtype: torch.dtype, has_bias: bool, with_entropy: bool,
-                    which: int, dhidden_f32: bool = True) -> int:
-    """CUDA scratch bytes of one call (which: FORWARD, BACKWARD_LEAN or BACKWARD_FAST)."""
-    return int(core.cuda_workspace_bytes(n, h, v, chunk, DTYPE_CODE[dtype], has_bias, with_entropy,
-                                         dhidden_f32)[which])
+                    which: str, dhidden_f32: bool = True) -> int:
+    """CUDA scratch bytes of one call (which: "forward", "lean" or "fast"; rlk_common.cuda_workspace_bytes)."""
+    return int(common.cuda_workspace_bytes(core, n, h, v, chunk, dtype_name(dtype), has_bias, with_entropy,
+                                           dhidden_f32)[which])
 
 
-def _workspace(hidden: Tensor, v: int, chunk: int, has_bias: bool, with_entropy: bool, which: int,
+def _workspace(hidden: Tensor, v: int, chunk: int, has_bias: bool, with_entropy: bool, which: str,
                dhidden_f32: bool = True):
     if hidden.device.type != "cuda":
         return None
-    if which != FORWARD:
+    if which != "forward":
         _prepare_backward(hidden.device.index)
     nbytes = workspace_bytes(hidden.shape[0], hidden.shape[1], v, chunk, hidden.dtype, has_bias, with_entropy, which,
                              dhidden_f32)
@@ -118,7 +117,7 @@ def _forward_stats(hidden, weight, bias, targets, temperature, vocab_start, real
     if n == 0:
         return stats, tl, logits
     forward_into(hidden, weight, bias, targets, _temp(temperature), stats, tl, logits if keep_logits else None,
-                 _workspace(hidden, v, chunk, bias is not None, with_entropy, FORWARD), vocab_start, real_vocab,
+                 _workspace(hidden, v, chunk, bias is not None, with_entropy, "forward"), vocab_start, real_vocab,
                  chunk, ignore_index, with_entropy, combine_into)
     return stats, tl, logits
 
@@ -206,7 +205,7 @@ def _backward(hidden, weight, bias, targets, temperature, m, log_s, entropy, g, 
                       _c(g.to(F32)), _c(e.to(F32)) if with_entropy else None, kept, dh, dw,
                       db if bias is not None else None, dtemp,
                       _workspace(hidden, v, chunk, bias is not None, with_entropy,
-                                 BACKWARD_LEAN if kept is None else BACKWARD_FAST, dhidden_f32),
+                                 "lean" if kept is None else "fast", dhidden_f32),
                       int(vocab_start), int(real_vocab), int(chunk), int(ignore_index), _stream(hidden))
     return dh, dw, db, dtemp
 

@@ -23,7 +23,7 @@ from torch import Tensor
 import rlk_common as common
 
 from . import _ops
-from ._args import DTYPE_CODE, check_temperature, check_tensors, chunk_of, tp_layout, unsupported
+from ._args import SUPPORTED_DTYPES, check_temperature, check_tensors, chunk_of, tp_layout, unsupported
 
 F32 = torch.float32
 PAD_ID = common.PAD_ID  # padding rows carry it (logp 0, entropy 0) or any real id; other ids give NaN rows
@@ -85,7 +85,7 @@ def _workspace_bytes(rows: int, weight: Tensor, has_bias: bool, with_entropy: bo
         return 0
     chunk, _ = _chunking(weight, tp)
     return _ops.workspace_bytes(rows, weight.shape[1], weight.shape[0], chunk, weight.dtype, has_bias, with_entropy,
-                                _ops.FORWARD)
+                                "forward")
 
 
 def score_buffers(rows: int, weight: Tensor, *, bias: Optional[Tensor] = None, tp_group: Any = None,
@@ -93,7 +93,7 @@ def score_buffers(rows: int, weight: Tensor, *, bias: Optional[Tensor] = None, t
     """Buffers for score_sampled(..., out=) on `rows` rows (a capture size) with this LM-head shard."""
     if isinstance(rows, bool) or not isinstance(rows, int) or rows < 0:
         raise ValueError(f"rows must be an int >= 0 (the capture size), got {rows!r}")
-    if weight.dtype not in DTYPE_CODE:
+    if weight.dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"weight dtype {weight.dtype} has no fused kernels (bfloat16, float16, float32)")
     tp, _, _ = tp_layout(tp_group, weight.shape[0], None)
     chunk, k_global = _chunking(weight, tp)

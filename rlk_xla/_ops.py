@@ -14,7 +14,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from ._args import DTYPE_CODE, kept_bytes
+import rlk_common as common
+
+from ._args import kept_bytes
 from ._compat import result_type
 from ._core import core, has_platform, registered_platforms
 
@@ -65,11 +67,11 @@ def _on_platform(results, cuda_workspace: int | None, name: str, args, attrs, al
     return lax.platform_dependent(*args, cpu=cpu, cuda=cuda)
 
 
-def _workspace(hidden, weight, cfg: KernelConfig, dhidden_f32: bool = True) -> tuple[int, int, int]:
-    """(forward, lean backward, fast backward) CUDA scratch bytes."""
+def _workspace(hidden, weight, cfg: KernelConfig, dhidden_f32: bool = True) -> dict[str, int]:
+    """CUDA scratch bytes, {"forward", "lean", "fast"} (rlk_common.cuda_workspace_bytes)."""
     n, h = hidden.shape
-    return core.cuda_workspace_bytes(n, h, weight.shape[0], cfg.chunk, DTYPE_CODE[jnp.dtype(hidden.dtype)],
-                                     cfg.has_bias, cfg.with_entropy, dhidden_f32)
+    return common.cuda_workspace_bytes(core, n, h, weight.shape[0], cfg.chunk, jnp.dtype(hidden.dtype).name,
+                                       cfg.has_bias, cfg.with_entropy, dhidden_f32)
 
 
 def _bias_arg(bias):
@@ -86,7 +88,7 @@ def forward(hidden, weight, bias, targets, temperature, cfg: KernelConfig, keep_
     if keep_logits:
         results += (_sds((kept_bytes(n, v, cfg.chunk, hidden.dtype),), jnp.uint8, args),)
     name = "rlk_forward_keep" if keep_logits else "rlk_forward"
-    return _on_platform(results, _workspace(hidden, weight, cfg)[0], name, args, cfg.attrs())
+    return _on_platform(results, _workspace(hidden, weight, cfg)["forward"], name, args, cfg.attrs())
 
 
 def combine(stats, target_logit, targets, *, real_vocab: int, ignore_index: int):
@@ -116,10 +118,10 @@ def backward(hidden, weight, bias, targets, temperature, m, log_s, entropy, g, e
     _prepare_cuda()
     ws = _workspace(hidden, weight, cfg, dhidden_f32)
     if logits is None:
-        return _on_platform(results, ws[1], "rlk_backward", args, cfg.attrs())
+        return _on_platform(results, ws["lean"], "rlk_backward", args, cfg.attrs())
     args += (logits,)
     results += (_sds(logits.shape, logits.dtype, args),)
-    out = _on_platform(results, ws[2], "rlk_backward_fast", args, cfg.attrs(), aliases={len(args) - 1: 4})
+    out = _on_platform(results, ws["fast"], "rlk_backward_fast", args, cfg.attrs(), aliases={len(args) - 1: 4})
     return tuple(out[:4])
 
 
