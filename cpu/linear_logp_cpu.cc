@@ -481,9 +481,7 @@ void z_tile(const Problem& p, const BwdArgs& a, const Panels& ap, int64_t blk, i
 }
 
 // sum_j dz_j (z_j - m) of this shard's columns for the rows of rb, from the 16-bit kept record's
-// fp32 chunk moments (m_c, s_c, a_c, b_c): with d = m_c - m and w = exp(d - log_s), a chunk gives
-//   w [(c e - g) (a_c + d s_c) - e (b_c + d (2 a_c + d s_c))],  c = log_s - ent,
-// and the target, when it is a column of this shard, g (z_t - m).
+// fp32 chunk moments (moments_dzz) and the target, when it is a column of this shard, g (z_t - m).
 void kept_dzz(const Problem& p, const BwdArgs& a, int64_t blk, const RowBlock& rb, f32x16* dzz) {
   const KeptRow row(p);
   const int64_t real_end = std::clamp<int64_t>(p.real_vocab - p.vocab_start, 0, p.v);
@@ -494,11 +492,7 @@ void kept_dzz(const Problem& p, const BwdArgs& a, int64_t blk, const RowBlock& r
       const float m = rb.m[rv][l], log_s = rb.log_s[rv][l], g = rb.g[rv][l], e = rb.e[rv][l], c = rb.c[rv][l];
       const float* mom = row.moments(a.logits, r);
       float acc = 0.f;
-      for (int64_t k = 0; k < row.chunks; ++k, mom += 4) {
-        if (mom[1] == 0.f) continue;  // only padding
-        const float d = mom[0] - m, w = expf(d - log_s), ad = mom[2] + d * mom[1];
-        acc += w * ((c * e - g) * ad - e * (mom[3] + d * (2.f * mom[2] + d * mom[1])));
-      }
+      for (int64_t k = 0; k < row.chunks; ++k, mom += 4) acc += moments_dzz(mom, m, log_s, c, g, e);
       const int64_t t = rb.target[rv][l] - p.vocab_start;
       if (t >= 0 && t < real_end) acc += g * (*row.z_target(a.logits, r) - m);
       dzz[rv][l] = acc;

@@ -3,10 +3,11 @@
 //            db by column sums in row order;
 //   dH = dlogit W (BwdArgs::dhidden_dtype out) and dW = dlogit^T H (dtype out): cuBLAS GEMMs
 //   (blas.h says why).
-// fast  z comes from the forward's kept logits [n, v] (FwdArgs::logits); one memory-bound pass
-//       (dlogit_kernel, one block per row) overwrites them with dlogit in place (same element
-//       size: fp16 -> bf16/fp16, fp32 -> fp32). Work: the two gradient GEMMs plus ~4 bytes moved
-//       per logit; extra memory: the kept logits.
+// fast  p comes from the forward's kept record (FwdArgs::logits, KeptLayout: fp16 q with fp32 group
+//       maxima and chunk moments; fp32 operands: z); one memory-bound pass (dlogit_kernel, one
+//       block per row) overwrites q (z) with dlogit in place (same element size: fp16 -> bf16/fp16,
+//       fp32 -> fp32), and dT comes from the moments. Work: the two gradient GEMMs plus ~4 bytes
+//       moved per logit; extra memory: the kept record.
 // lean  dlogit is formed per (vocab piece, row pass) in a tile: on Hopper by the sm90 kernel
 //       itself (it recomputes z and writes dlogit from its accumulators), elsewhere by a cuBLAS
 //       GEMM into an fp32 z tile and dlogit_kernel. dH accumulates over pieces in fp32 (piece
@@ -42,8 +43,11 @@ constexpr int kVec = 8;           // columns per thread step (16-byte loads of 2
 
 // ---- dlogit -----------------------------------------------------------------------------------
 struct DlogitParams {
-  const void* z;  int64_t ldz;  // [rows, cols] ZT: kept logits, or (raw) h.W still without bias and 1/T
+  const void* z;  int64_t ldz;  // [rows, cols] ZT: kept z or q, or (raw) h.W still without bias and 1/T
   bool raw;
+  const float* head;            // the kept record's head [rows, kept.floats] when z holds q, else null
+  KeptLayout kept;
+  int64_t chunk;
   void* dlog;     int64_t ldd;  // [rows, cols] dtype; fast: the same memory as z
   int64_t cols;
   int64_t col0;                 // global id of column 0
@@ -96,6 +100,31 @@ template <typename T> __device__ __forceinline__ void store_cols(T* r, int64_t c
     if (c0 + k < q.cols) r[c0 + k] = from_f<T>(x[k]);
 }
 
+// With q (16-bit kept record): p = q w and z - m = log q + d for the columns of one group,
+// d = mt - m, w = exp(d - log_s).
+struct GroupScale {
+  float w, d;
+};
+__device__ __forceinline__ GroupScale group_scale(const float* group_max, int64_t g, float m, float log_s) {
+  const float d = group_max[g] - m;
+  return {__expf(d - log_s), d};
+}
+// The group of local column col (the kept record's groups: KeptLayout).
+__device__ __forceinline__ int64_t group_of(const DlogitParams& q, int64_t col) {
+  const int64_t c = col / q.chunk;
+  return q.kept.group(c, col, q.chunk);
+}
+
+// dT's sum_j dz_j (z_j - m) over this shard's columns of a row, from the kept record's moments.
+__device__ float kept_dzz(const DlogitParams& q, const float* head, int64_t t, float m, float log_s, float ent,
+                          float g, float e, int64_t live_cols) {
+  float acc = 0.f;
+  for (int64_t c = 0; c < q.kept.chunks; ++c) acc += moments_dzz(head + 4 * c, m, log_s, log_s - ent, g, e);
+  const int64_t tl = t - q.col0;
+  if (tl >= 0 && tl < live_cols) acc += g * (head[q.kept.z_target_at()] - m);
+  return acc;
+}
+
 // One block per row. A thread reads its columns before writing them, so dlog may alias z; no
 // __restrict__ on these two. The pass is one load and one store per element, but its arithmetic
 // per element is close to that: the checks go per vector (only the row's last vectors hold
@@ -118,6 +147,7 @@ __global__ void __launch_bounds__(kRowThreads) dlogit_kernel(DlogitParams q) {
   // columns [0, live_cols) are real ids of this row's vocab; past them (padding, the tile's
   // spare columns) no gradient
   const int64_t live_cols = active ? std::min(q.cols, q.real_vocab - q.col0) : 0;
+  const float* head = q.head ? q.head + row * q.kept.floats : nullptr;
   float dzz = 0.f;
   for (int64_t c0 = int64_t(threadIdx.x) * kVec; c0 < q.cols; c0 += int64_t(kRowThreads) * kVec) {
     float x[kVec];
@@ -125,6 +155,24 @@ __global__ void __launch_bounds__(kRowThreads) dlogit_kernel(DlogitParams q) {
     const int64_t rest = live_cols - c0;
     const int nlive = rest >= kVec ? kVec : rest > 0 ? int(rest) : 0;
     const int kt = t - q.col0 >= c0 && t - q.col0 < c0 + kVec ? int(t - q.col0 - c0) : -1;
+    if (head) {  // q = 0: p = 0 (a -inf logit, or below fp16); z - m only for the entropy term
+      const float* gmax = head + q.kept.group_max_at();
+      const int64_t g0 = group_of(q, c0), g1 = group_of(q, std::min(c0 + kVec, q.cols) - 1);
+      GroupScale gs = group_scale(gmax, g0, m, log_s);
+#pragma unroll
+      for (int k = 0; k < kVec; ++k) {
+        if (g1 != g0 && k > 0 && c0 + k < q.cols) {  // a vector across a group start (chunk % 8 != 0)
+          const int64_t gk = group_of(q, c0 + k);
+          if (gk != group_of(q, c0 + k - 1)) gs = group_scale(gmax, gk, m, log_s);
+        }
+        const bool live = k < nlive && x[k] != 0.f;
+        const float pr = live ? x[k] * gs.w : 0.f;
+        const float zm = live && e != 0.f ? __logf(x[k]) + gs.d : 0.f;
+        x[k] = (k < nlive ? dz_of(zm, pr, k == kt, log_s, ent, g, e) : 0.f) * it;
+      }
+      store_cols(dr, c0, q, x);
+      continue;
+    }
 #pragma unroll
     for (int k = 0; k < kVec; ++k) {
       float z = x[k];
@@ -139,6 +187,10 @@ __global__ void __launch_bounds__(kRowThreads) dlogit_kernel(DlogitParams q) {
     store_cols(dr, c0, q, x);
   }
   if (!q.dtemp) return;
+  if (head) {
+    if (threadIdx.x == 0) q.dtemp[row] = active ? -it * kept_dzz(q, head, t, m, log_s, ent, g, e, live_cols) : 0.f;
+    return;
+  }
   red[threadIdx.x] = dzz;  // fixed-shape tree: the same order for every row and every run
   __syncthreads();
   for (int s = kRowThreads / 2; s > 0; s >>= 1) {
@@ -206,16 +258,18 @@ Status launch_colsum(const void* dlog, int64_t ldd, int64_t rows, int64_t cols, 
 // ---- fast ---------------------------------------------------------------------------------------
 template <typename T>
 Status backward_fast(const Problem& p, const BwdArgs& a, Workspace ws, cudaStream_t st) {
-  using ZT = std::conditional_t<sizeof(T) == 4, float, __half>;  // kept_dtype
+  using ZT = std::conditional_t<sizeof(T) == 4, float, __half>;  // z, or q
+  const KeptRows kr = kept_rows(p, a.logits);
   DlogitParams q = row_params(p, a, 0);
-  q.z = a.logits; q.ldz = p.v;
-  q.dlog = a.logits; q.ldd = p.v;
+  q.z = kr.z; q.ldz = p.v;
+  q.dlog = kr.z; q.ldd = p.v;
+  q.head = kr.head; q.kept = KeptLayout(p); q.chunk = p.chunk;
   q.cols = p.v; q.col0 = p.vocab_start;
   q.dtemp_last = true;
   if (Status s = launch_dlogit<ZT, T>(q, p.n, st)) return s;
   if (p.has_bias && a.dbias)
-    if (Status s = launch_colsum<T>(a.logits, p.v, p.n, p.v, a.dbias, false, st)) return s;
-  const blas::Mat D{a.logits, p.dtype, p.n, p.v, p.v};
+    if (Status s = launch_colsum<T>(kr.z, p.v, p.n, p.v, a.dbias, false, st)) return s;
+  const blas::Mat D{kr.z, p.dtype, p.n, p.v, p.v};
   const blas::Mat W{a.weight, p.dtype, p.v, p.h, p.h}, H{a.hidden, p.dtype, p.n, p.h, p.h};
   if (Status s = blas::gemm(st, ws.ptr, D, false, W, false, a.dhidden, a.dhidden_dtype, p.h, 0.f)) return s;
   return blas::gemm(st, ws.ptr, D, true, H, false, a.dweight, p.dtype, p.h, 0.f);

@@ -65,12 +65,14 @@ __device__ __forceinline__ float warp_sum(float x) {
 
 template <typename T> const T* cptr(const void* p) { return static_cast<const T*>(p); }
 
-// Kept logits (FwdArgs::logits): kept_dtype of T, clamped to +-kMaxKeptLogit; a NaN stays NaN
-// (fminf/fmaxf alone would turn it into a finite bound).
+// What the forward keeps for the fast backward (FwdArgs::logits, KeptLayout), rows of one pass:
+// z [rows, v] fp32 for fp32 operands; for 16-bit ones q [rows, v] fp16 and the head [rows, floats].
 template <typename T> using Kept = std::conditional_t<sizeof(T) == 4, float, __half>;
-template <typename T> __device__ __forceinline__ Kept<T> kept_of(float z) {
-  return from_f<Kept<T>>(z != z ? z : fminf(fmaxf(z, -kMaxKeptLogit), kMaxKeptLogit));
-}
+template <typename T> struct KeptOut {
+  Kept<T>* z = nullptr;  // null: nothing kept
+  float* head = nullptr;
+  KeptLayout layout;
+};
 
 // ---- forward: per-(row, split) partial statistics ---------------------------------------------
 // Epilogue thread map (also used by the backward): warp w owns tile rows w*16 .. w*16+15; lane l
@@ -78,8 +80,9 @@ template <typename T> __device__ __forceinline__ Kept<T> kept_of(float z) {
 template <typename T>
 __global__ void __launch_bounds__(kThreads) fwd_split_kernel(
     const T* __restrict__ hidden, const T* __restrict__ weight, const float* __restrict__ bias,
-    const float* __restrict__ temperature, float* __restrict__ part, Kept<T>* __restrict__ kept, int64_t rows,
+    const float* __restrict__ temperature, float* __restrict__ part, KeptOut<T> kept, int64_t rows,
     int64_t h, int64_t chunk, int64_t spc, int64_t nsplit, int64_t vocab_start, int64_t real_vocab, int64_t v) {
+  constexpr bool kQ = sizeof(T) == 2;  // the kept record holds q, the group maxima and b
   extern __shared__ __align__(128) unsigned char smem[];
   float* Cs = reinterpret_cast<float*>(smem);
   const int64_t r0 = int64_t(blockIdx.x) * kBM;
@@ -89,11 +92,12 @@ __global__ void __launch_bounds__(kThreads) fwd_split_kernel(
   const int64_t col_end = min(col0 + kSplitCols, (c + 1) * chunk);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
 
-  float rm[16], rs[16], ra[16];
+  const bool keep = kept.z != nullptr;
+  float rm[16], rs[16], ra[16], rb[16];
   float itemp[16];
 #pragma unroll
   for (int rr = 0; rr < 16; ++rr) {
-    rm[rr] = -INFINITY; rs[rr] = 0.f; ra[rr] = 0.f;
+    rm[rr] = -INFINITY; rs[rr] = 0.f; ra[rr] = 0.f; rb[rr] = 0.f;
     const int64_t row = r0 + warp * 16 + rr;
     itemp[rr] = row < rows ? reciprocal(temperature[row]) : 1.f;
   }
@@ -119,25 +123,31 @@ __global__ void __launch_bounds__(kThreads) fwd_split_kernel(
         mx = fmaxf(mx, z[e]);
       }
       const int64_t row = r0 + warp * 16 + rr;
-      if (kept != nullptr && row < rows)
-#pragma unroll
-        for (int e = 0; e < 4; ++e)
-          if (t0 + lane * 4 + e < col_end) kept[row * v + t0 + lane * 4 + e] = kept_of<T>(z[e]);
       mx = warp_max(mx);
-      float s = 0.f, a = 0.f;
+      float s = 0.f, a = 0.f, b = 0.f, ex[4] = {0.f, 0.f, 0.f, 0.f};
       if (!(mx == -INFINITY)) {  // NaN logits (and a NaN max) make the sums NaN
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           if (!(z[e] == -INFINITY)) {
-            const float d = z[e] - mx, ex = expf(d);
-            s += ex;
-            a += ex * d;
+            const float d = z[e] - mx;
+            ex[e] = expf(d);
+            s += ex[e];
+            a += ex[e] * d;
+            if (kQ && keep) b += ex[e] * d * d;
           }
         }
       }
+      if (keep && row < rows) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          if (t0 + lane * 4 + e < col_end) kept.z[row * v + t0 + lane * 4 + e] = from_f<Kept<T>>(kQ ? ex[e] : z[e]);
+        if (kQ && lane == 0)
+          kept.head[row * kept.layout.floats + kept.layout.group_max_at() + kept.layout.group(c, t0, chunk)] = mx;
+      }
       s = warp_sum(s);
       a = warp_sum(a);
-      stats_merge(mx, s, a, rm[rr], rs[rr], ra[rr]);
+      if (kQ && keep) b = warp_sum(b);
+      moments_merge(mx, s, a, b, rm[rr], rs[rr], ra[rr], rb[rr]);
     }
     __syncthreads();  // Cs is reused by the next tile's pipeline
   }
@@ -146,49 +156,57 @@ __global__ void __launch_bounds__(kThreads) fwd_split_kernel(
     for (int rr = 0; rr < 16; ++rr) {
       const int64_t row = r0 + warp * 16 + rr;
       if (row < rows) {
-        float* o = part + (row * nsplit + gs) * kStatWidth;
-        o[0] = rm[rr]; o[1] = rs[rr]; o[2] = ra[rr];
+        float* o = part + (row * nsplit + gs) * kPartWidth;
+        o[0] = rm[rr]; o[1] = rs[rr]; o[2] = ra[rr]; o[3] = rb[rr];
       }
     }
   }
 }
 
-// Per (row, chunk): merge the chunk's splits in order.
-__global__ void finalize_kernel(const float* __restrict__ part, float* __restrict__ stats, int64_t rows,
-                                int64_t nchunks, int64_t spc) {
+// Per (row, chunk): merge the chunk's splits in order; with a kept head, also its moments there.
+__global__ void finalize_kernel(const float* __restrict__ part, float* __restrict__ stats, float* __restrict__ head,
+                                int64_t head_ld, int64_t rows, int64_t nchunks, int64_t spc) {
   const int64_t idx = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (idx >= rows * nchunks) return;
   const int64_t row = idx / nchunks, c = idx % nchunks;
-  const float* p = part + (row * nchunks * spc + c * spc) * kStatWidth;
-  float m = -INFINITY, s = 0.f, a = 0.f;
-  for (int64_t k = 0; k < spc; ++k) stats_merge(p[k * 3], p[k * 3 + 1], p[k * 3 + 2], m, s, a);
+  const float* p = part + (row * nchunks * spc + c * spc) * kPartWidth;
+  float m = -INFINITY, s = 0.f, a = 0.f, b = 0.f;
+  for (int64_t k = 0; k < spc; ++k, p += kPartWidth) moments_merge(p[0], p[1], p[2], p[3], m, s, a, b);
   float* o = stats + idx * kStatWidth;
   o[0] = m; o[1] = s; o[2] = a;
+  if (head) {
+    float* mom = head + row * head_ld + c * 4;
+    mom[0] = m; mom[1] = s; mom[2] = a; mom[3] = b;
+  }
 }
 
-// z_t per row by one warp: fixed-order dot product (lane-strided, then a butterfly).
+// z_t per row by one warp: fixed-order dot product (lane-strided, then a butterfly). With a kept
+// head (16-bit operands), also z_t and the head's zero padding there.
 template <typename T>
 __global__ void target_logit_kernel(const T* __restrict__ hidden, const T* __restrict__ weight,
                                     const float* __restrict__ bias, const int32_t* __restrict__ targets,
-                                    const float* __restrict__ temperature, float* __restrict__ out, int64_t n,
-                                    int64_t h, int64_t v, int64_t vocab_start, int64_t real_vocab,
-                                    int64_t ignore_index) {
+                                    const float* __restrict__ temperature, float* __restrict__ out, float* __restrict__ head,
+                                    KeptLayout layout, int64_t n, int64_t h, int64_t v, int64_t vocab_start,
+                                    int64_t real_vocab, int64_t ignore_index) {
   const int64_t row = int64_t(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   if (row >= n) return;
   const int64_t t = targets[row];
   const int64_t loc = t - vocab_start;
   const bool mine = classify_target(t, real_vocab, ignore_index) == TargetKind::kValid && loc >= 0 && loc < v;
-  if (!mine) {
-    if (lane == 0) out[row] = 0.f;
-    return;
+  float zt = 0.f;
+  if (mine) {
+    const T* hr = hidden + row * h;
+    const T* wr = weight + loc * h;
+    float acc = 0.f;
+    for (int64_t k = lane; k < h; k += 32) acc = fmaf(to_f(hr[k]), to_f(wr[k]), acc);
+    acc = warp_sum(acc);
+    zt = (acc + (bias ? bias[loc] : 0.f)) * reciprocal(temperature[row]);
   }
-  const T* hr = hidden + row * h;
-  const T* wr = weight + loc * h;
-  float acc = 0.f;
-  for (int64_t k = lane; k < h; k += 32) acc = fmaf(to_f(hr[k]), to_f(wr[k]), acc);
-  acc = warp_sum(acc);
-  if (lane == 0) out[row] = (acc + (bias ? bias[loc] : 0.f)) * reciprocal(temperature[row]);
+  if (lane != 0) return;
+  out[row] = zt;
+  if (head)
+    for (int64_t i = layout.z_target_at(); i < layout.floats; ++i) head[row * layout.floats + i] = i == layout.z_target_at() ? zt : 0.f;
 }
 
 __global__ void combine_kernel(CombineArgs a) {
@@ -208,13 +226,13 @@ template <typename K> cudaError_t set_smem(K kernel, size_t bytes) {
 
 template <typename T>
 Status forward_portable_partials(const Problem& p, const T* hidden, int64_t rows, const T* weight,
-                                 const float* bias, const float* temperature, float* part, void* kept, cudaStream_t st) {
+                                 const float* bias, const float* temperature, float* part, KeptOut<T> kept,
+                                 cudaStream_t st) {
   constexpr size_t smem = GemmSmem<T>::BYTES;
   // Set on every call (cheap, host-only, legal under stream capture): the attribute is per device.
   if (set_smem(fwd_split_kernel<T>, smem) != cudaSuccess) return "rlk cuda: cudaFuncSetAttribute failed (forward)";
   const dim3 grid(unsigned((rows + kBM - 1) / kBM), unsigned(total_splits(p)));
-  fwd_split_kernel<T><<<grid, kThreads, smem, st>>>(hidden, weight, bias, temperature, part, static_cast<Kept<T>*>(kept),
-                                                    rows, p.h, p.chunk, splits_per_chunk(p.chunk), total_splits(p),
+  fwd_split_kernel<T><<<grid, kThreads, smem, st>>>(hidden, weight, bias, temperature, part, kept, rows, p.h, p.chunk, splits_per_chunk(p.chunk), total_splits(p),
                                                     p.vocab_start, p.real_vocab, p.v);
   RLK_CHECK_LAUNCH("rlk cuda: forward kernel launch failed");
   return nullptr;
@@ -230,13 +248,20 @@ Status forward_t(const Problem& p, const FwdArgs& a, Workspace ws, cudaStream_t 
   const int64_t R = fwd_rows_per_pass(p);
   const int64_t K = num_chunks(p);
   float* part = static_cast<float*>(ws.ptr);
+  const KeptRows kr = a.logits ? kept_rows(p, a.logits) : KeptRows{nullptr, nullptr};
+  const KeptLayout layout(p);
   for (int64_t r0 = 0; r0 < p.n; r0 += R) {
     const int64_t rows = p.n - r0 < R ? p.n - r0 : R;
     Status s = nullptr;
-    void* kept = a.logits ? static_cast<Kept<T>*>(a.logits) + r0 * p.v : nullptr;
+    KeptOut<T> kept;
+    if (kr.z) {
+      kept.z = static_cast<Kept<T>*>(kr.z) + r0 * p.v;
+      kept.head = kr.head ? kr.head + r0 * layout.floats : nullptr;
+      kept.layout = layout;
+    }
 #if RLK_HAVE_SM90
     if (be == Backend::kCudaSm90) {
-      s = sm90_forward_partials(p, H + r0 * p.h, rows, a.weight, B, a.temperature + r0, part, kept, st);
+      s = sm90_forward_partials(p, H + r0 * p.h, rows, a.weight, B, a.temperature + r0, part, kept.z, kept.head, st);
       if (s == kSm90Misaligned) {  // TMA needs 16-byte aligned bases: the portable kernel takes it
         be = Backend::kCudaPortable;
         if (ran) *ran = be;
@@ -249,13 +274,13 @@ Status forward_t(const Problem& p, const FwdArgs& a, Workspace ws, cudaStream_t 
     }
     if (s) return s;
     const int64_t tot = rows * K;
-    finalize_kernel<<<unsigned((tot + 255) / 256), 256, 0, st>>>(part, a.stats + r0 * K * kStatWidth, rows, K,
-                                                                 splits_per_chunk(p.chunk));
+    finalize_kernel<<<unsigned((tot + 255) / 256), 256, 0, st>>>(part, a.stats + r0 * K * kStatWidth, kept.head,
+                                                                 layout.floats, rows, K, splits_per_chunk(p.chunk));
     RLK_CHECK_LAUNCH("rlk cuda: finalize kernel launch failed");
   }
   target_logit_kernel<T><<<unsigned((p.n + 7) / 8), 256, 0, st>>>(H, W, B, a.targets, a.temperature, a.target_logit,
-                                                                   p.n, p.h, p.v, p.vocab_start, p.real_vocab,
-                                                                   p.ignore_index);
+                                                                   kr.head, layout, p.n, p.h, p.v, p.vocab_start,
+                                                                   p.real_vocab, p.ignore_index);
   RLK_CHECK_LAUNCH("rlk cuda: target logit kernel launch failed");
   return nullptr;
 }
@@ -292,7 +317,7 @@ Backend forward_backend(const Problem& p) {
 
 size_t forward_workspace_bytes(const Problem& p) {
   if (p.n <= 0 || p.v <= 0 || p.chunk <= 0) return 0;
-  return size_t(fwd_rows_per_pass(p)) * size_t(total_splits(p)) * kStatWidth * sizeof(float);
+  return size_t(fwd_rows_per_pass(p)) * size_t(total_splits(p)) * kPartWidth * sizeof(float);
 }
 
 Status forward(const Problem& p, const FwdArgs& a, Workspace ws, cudaStream_t stream, Backend* ran) {

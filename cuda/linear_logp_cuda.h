@@ -22,12 +22,48 @@ Backend forward_backend(const Problem& p);
 
 size_t forward_workspace_bytes(const Problem& p);
 
-// The CUDA backend's kept buffer (FwdArgs::logits, BwdArgs::logits): z [n, v] in kept_dtype,
-// clamped to +-kMaxKeptLogit. (Not yet the CPU backend's max-relative record: that one is
-// validated on the CPU only.)
-inline DType kept_dtype(DType t) { return t == DType::kF32 ? DType::kF32 : DType::kF16; }
-constexpr float kMaxKeptLogit = 65504.f;
-inline size_t kept_bytes(const Problem& p) { return size_t(p.n) * size_t(p.v) * dtype_bytes(kept_dtype(p.dtype)); }
+// The CUDA backend's kept buffer (FwdArgs::logits, BwdArgs::logits), n rows:
+//   fp32 operands: z [n, v] fp32, as the forward computed it.
+//   16-bit operands, the max-relative record (as the CPU backend's, in a layout for TMA stores):
+//     float head[n][floats]  per row: moments[chunks][4], the chunk's (m, s, a, b) with
+//                            b = sum_j exp(z_j - m) (z_j - m)^2; group_max[groups]; z_target;
+//                            zeros up to a multiple of 4 floats (so q starts 16-byte aligned)
+//     fp16  q[n][v]          q_j = exp(z_j - mt), mt = group_max of the column's group: 128
+//                            columns counted from the chunk's first (the portable kernel's tile;
+//                            the sm90 kernel gives both halves of its 256-column tile the tile's max)
+//   so that p_j = q_j exp((mt - m) - log_s) has fp16's relative error (2^-11) at every |z| and
+//   temperature, and dT comes from the fp32 moments (moments_dzz), not from q.
+// Row-separable: the bytes of n rows are n times those of one.
+struct KeptLayout {
+  static constexpr int64_t kGroupCols = 128;
+  int64_t chunks, groups_per_chunk, floats;  // floats: the head's per row
+  KeptLayout() = default;
+  explicit KeptLayout(const Problem& p)
+      : chunks(num_chunks(p)), groups_per_chunk((p.chunk + kGroupCols - 1) / kGroupCols),
+        floats((chunks * 4 + chunks * groups_per_chunk + 1 + 3) / 4 * 4) {}
+  RLK_HD int64_t group_max_at() const { return chunks * 4; }  // offsets in a row's head
+  RLK_HD int64_t z_target_at() const { return chunks * 4 + chunks * groups_per_chunk; }
+  // The group of local column `col` in chunk `c` (col in [c * chunk, (c + 1) * chunk)).
+  RLK_HD int64_t group(int64_t c, int64_t col, int64_t chunk) const {
+    return c * groups_per_chunk + (col - c * chunk) / kGroupCols;
+  }
+};
+inline bool kept_q(DType t) { return t != DType::kF32; }
+inline size_t kept_bytes(const Problem& p) {
+  if (!kept_q(p.dtype)) return size_t(p.n) * size_t(p.v) * 4;
+  return size_t(p.n) * (size_t(KeptLayout(p).floats) * 4 + size_t(p.v) * 2);
+}
+// Row 0 of a kept buffer of p.n rows: the head (16-bit operands; else null) and the [n, v] matrix
+// (z, or q).
+struct KeptRows {
+  float* head;
+  void* z;
+};
+inline KeptRows kept_rows(const Problem& p, void* kept) {
+  if (!kept_q(p.dtype)) return {nullptr, kept};
+  float* head = static_cast<float*>(kept);
+  return {head, head + p.n * KeptLayout(p).floats};
+}
 // `fast`: the backward reads kept logits (BwdArgs::logits); else it recomputes them (lean: all of
 // its extra memory is this workspace, at most 256 MiB for any n and v and h up to 32768, see
 // lean_plan.h). `dhidden_dtype`: BwdArgs::dhidden_dtype. The lean layout also depends on

@@ -9,7 +9,7 @@
 //   tile_scheduler.cuh  which (128-row tile, split) unit a CTA computes, in an L2-friendly order;
 //   mainloop.cuh        the producer (TMA into a ring of stages) and the consumers (wgmma into
 //                       fp32 registers), synchronised by "full" and "empty" mbarriers;
-//   epilogue.cuh        what becomes of each logit tile: statistics, kept logits or dlogit, and
+//   epilogue.cuh        what becomes of each logit tile: statistics, the kept record or dlogit, and
 //                       the tile store (stmatrix + TMA store) of the 2-byte outputs;
 //   ptx.cuh             the inline-PTX instructions they use.
 // Per-(row, split) partials go to the workspace; the finalize kernel of linear_logp_cuda.cu merges
@@ -26,6 +26,7 @@
 #include <cstdint>
 #include <mutex>
 
+#include "linear_logp_cuda.h"
 #include "lp_internal.h"
 #include "sm90/epilogue.cuh"
 #include "sm90/mainloop.cuh"
@@ -36,6 +37,8 @@
 namespace rlk::cuda::detail {
 namespace {
 using namespace sm90;
+
+static_assert(KeptLayout::kGroupCols * 2 == kBN, "a tile's max serves both kept groups of the tile");
 
 // Shared memory: the stage ring, the tile store's staging and the mbarriers.
 constexpr int kSmemBytes = kStages * kStageBytes + kStagingBytes + 1024 /*alignment*/ + 256 /*barriers*/;
@@ -75,13 +78,18 @@ __global__ void __launch_bounds__(kThreads, 1)
     const float itA = (rowA < P.rows ? reciprocal(P.temperature[rowA]) : 1.f) * kLog2e;
     const float itB = (rowB < P.rows ? reciprocal(P.temperature[rowB]) : 1.f) * kLog2e;
     RowState<kEpi> st;
+    if constexpr (kEpi == Epi::kKeep)  // row A's group maxima from the unit's first group
+      if (rowA < P.rows) {
+        const int64_t c = u.cu / P.spc;
+        st.gmax = G.head + rowA * G.ld + G.group_max_at + c * G.groups_per_chunk + (u.col0 - c * P.chunk) / (kBN / 2);
+      }
     mma_unit<kBf16>(pl, u.ntiles, d, cw, lane, KB, [&](int t) {
       // ---- epilogue: a tile inside the chunk and the real vocab needs no padding mask ----
       const int64_t t0 = u.col0 + int64_t(t) * kBN;
       if (t0 + kBN <= u.col_end && P.vocab_start + t0 + kBN <= P.real_vocab)
-        epilogue<kBf16, kEpi, false>(d, t0, u.col_end, P, G, itA, itB, &tmO, buf, cw, row0, st);
+        epilogue<kBf16, kEpi, false>(d, t, t0, u.col_end, P, G, itA, itB, &tmO, buf, cw, row0, st);
       else
-        epilogue<kBf16, kEpi, true>(d, t0, u.col_end, P, G, itA, itB, &tmO, buf, cw, row0, st);
+        epilogue<kBf16, kEpi, true>(d, t, t0, u.col_end, P, G, itA, itB, &tmO, buf, cw, row0, st);
     });
     store_partials(st, P, lane, rowA, rowB, u.cu);
   }
@@ -162,16 +170,18 @@ void set_out(Params* P, CUtensorMap* mo, CUtensorMapDataType type, void* out, in
 }  // namespace
 
 const char* sm90_forward_partials(const Problem& p, const void* hidden, int64_t rows, const void* weight,
-                                  const float* bias, const float* temperature, float* part, void* kept,
-                                  cudaStream_t stream) {
+                                  const float* bias, const float* temperature, float* part, void* kept_q,
+                                  float* kept_head, cudaStream_t stream) {
   CUtensorMap ma, mb, mo{};
   Params P;
   if (const char* e = setup(p, hidden, rows, weight, bias, temperature, kSplitCols, &ma, &mb, &P)) return e;
   P.part = part;
   const int64_t units = P.row_tiles * P.nsplit;
-  if (!kept) return launch<Epi::kStats>(p.dtype == DType::kBF16, ma, mb, mo, P, {}, units, stream);
-  set_out(&P, &mo, CU_TENSOR_MAP_DATA_TYPE_FLOAT16, kept, p.v, p.v, p.chunk);
-  return launch<Epi::kKeep>(p.dtype == DType::kBF16, ma, mb, mo, P, {}, units, stream);
+  if (!kept_head) return launch<Epi::kStats>(p.dtype == DType::kBF16, ma, mb, mo, P, {}, units, stream);
+  set_out(&P, &mo, CU_TENSOR_MAP_DATA_TYPE_FLOAT16, kept_q, p.v, p.v, p.chunk);
+  const KeptLayout L(p);
+  const KeepRows K{kept_head, L.floats, L.group_max_at(), L.groups_per_chunk};
+  return launch<Epi::kKeep>(p.dtype == DType::kBF16, ma, mb, mo, P, K, units, stream);
 }
 
 const char* sm90_dlogit(const Problem& p, const BwdArgs& a, int64_t rows, void* dlog, int64_t ldd, float* dzz,

@@ -18,6 +18,9 @@ namespace detail {
 // other rows (batch invariance). The per-(row, split) partials are merged per chunk, in split
 // order, by the finalize kernel. Both forward kernels (portable and sm90) use this geometry.
 constexpr int64_t kSplitCols = 1024;  // a multiple of the sm90 kernel's 256-column tile
+// A split's partials: the chunk statistics' (m, s, a) and the kept record's moment b (moments_merge;
+// 0 when nothing is kept).
+constexpr int kPartWidth = 4;
 
 // The lean backward's recompute on the sm90 kernel (sm90_dlogit) splits its vocab pieces the same
 // way, in shorter splits, so that a piece's few row tiles still make enough units to fill the last

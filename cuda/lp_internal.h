@@ -17,10 +17,10 @@ inline Status check_shape(const Problem& p) {
   return nullptr;
 }
 
-// Rows per forward launch: bounds the partial-statistics workspace (rows * splits * 3 floats).
+// Rows per forward launch: bounds the partial-statistics workspace (rows * splits * kPartWidth floats).
 // Depends on shapes only; rows are independent, so the cut is invisible in the results.
 inline int64_t fwd_rows_per_pass(const Problem& p) {
-  const int64_t per_row = total_splits(p) * kStatWidth * (int64_t)sizeof(float);
+  const int64_t per_row = total_splits(p) * kPartWidth * (int64_t)sizeof(float);
   int64_t r = (int64_t(192) << 20) / (per_row > 0 ? per_row : 1);
   r = (r / 128) * 128;
   if (r < 128) r = 128;
@@ -35,12 +35,13 @@ bool sm90_enabled();
 
 #if RLK_HAVE_SM90
 extern const char* const kSm90Misaligned;  // returned when TMA cannot take the pointers
-// The Hopper forward: fills part[rows, total_splits, 3] for rows [0, rows) of the given hidden
-// pointer (already offset to the pass's first row) and, when `kept` is not null, the kept logits
-// (fp16, row stride p.v, offset likewise). Returns nullptr or a static error.
+// The Hopper forward: fills part[rows, total_splits, kPartWidth] for rows [0, rows) of the given
+// hidden pointer (already offset to the pass's first row) and, when `kept_head` is not null, the
+// kept record's q (fp16, row stride p.v) and group maxima (linear_logp_cuda.h, KeptLayout; both
+// offset likewise). Returns nullptr or a static error.
 const char* sm90_forward_partials(const Problem& p, const void* hidden, int64_t rows, const void* weight,
-                                  const float* bias, const float* temperature, float* part, void* kept,
-                                  cudaStream_t stream);
+                                  const float* bias, const float* temperature, float* part, void* kept_q,
+                                  float* kept_head, cudaStream_t stream);
 // The lean backward's recompute on the same kernel: for rows [0, rows) of a.hidden (already offset,
 // as are the per-row pointers of a) against the p.v rows of a.weight (the piece; p.vocab_start is
 // its first global id, p.chunk == p.v), dlogit = dz / T in p.dtype into dlog [rows, p.v] (row

@@ -1,9 +1,9 @@
 #!/bin/bash
 # Build the CUDA backend + its test on the device machine and run: test, sanitizers, bench.
 #   benchmarks/cuda/device_run.sh [test] [san] [bench] [gemm] [ab]   (any subset; logs under $OUT)
-# ab: this tree's kernels against other builds of the kernel files: AB_DIR (a folder laid out like
-#   cuda/ with other versions of any of its files, e.g. linear_logp_bwd.cu or sm90/mainloop.cuh:
-#   `mkdir ab && git show REV:cuda/linear_logp_bwd.cu > ab/linear_logp_bwd.cu` before the run),
+# ab: this tree's kernels against another build: AB_DIR, a folder laid out like the repository
+#   with other versions of any of its files (e.g. cuda/linear_logp_bwd.cu, include/rlk/linear_logp.h,
+#   tests/cuda/lptest.cu: `git archive REV cuda include tests/cuda | tar -x -C ab` before the run),
 #   benched over AB_SHAPES (default T1,T2,T3), both binaries interleaved twice: machines differ by
 #   more than most changes, so only a same-machine A/B shows a few percent.
 set -o pipefail
@@ -38,7 +38,7 @@ for step in "$@"; do
           python3 benchmarks/cuda/ncu_summary.py $OUT/ncu.csv ;;
     ab) [ -d "${AB_DIR:-}" ] || { echo "ab: set AB_DIR to a folder of kernel files"; exit 1; }
         A=/tmp/rlkab; rm -rf $A-src; mkdir -p $A-src
-        tar --exclude=./build --exclude=./.git -cf - . | tar -xf - -C $A-src && cp -r "$AB_DIR"/. $A-src/cuda/
+        tar --exclude=./build --exclude=./.git -cf - . | tar -xf - -C $A-src && cp -r "$AB_DIR"/. $A-src/
         build_lptest $A-src $A
         for r in 1 2; do for bin in $B/lptest $A/lptest; do for s in $(echo ${AB_SHAPES:-T1,T2,T3} | tr , ' '); do
           echo -n "$bin: "; timeout 60 $bin --bench --only $s | grep BENCH

@@ -4,7 +4,9 @@
 //           (64 per lane), so a tile costs a thread-local pass plus two xor shuffles. Exponentials
 //           use ex2 on log2e-scaled logits; (m, s, a) go back to natural units per tile and are
 //           merged with stats_merge. Logits never leave registers.
-//   kKeep   the same, and stores z as fp16 (the fast backward's kept logits) through the tile store;
+//   kKeep   the same, and the fast backward's kept record: q = exp(z - tile max), the exponentials
+//           the fold computes anyway, as fp16 through the tile store; the tile max of each row
+//           (both 128-column groups of the tile, KeptLayout) and the moment b into the partials;
 //   kDlogit turns z into dlogit = dz / T from the row's lse (and entropy and upstream gradients) and
 //           stores it in the operand dtype through the tile store; sum dz z per (row, split) for dT.
 // The tile store: stmatrix puts half a tile (64x128, 2-byte values) into a 128-byte-swizzled
@@ -39,12 +41,7 @@ constexpr int kStagingBarrier = 1;
 // Lane l of warp w (in its warpgroup) holds rows w*16 + l/4 (values d[4j], d[4j+1]) and +8
 // (d[4j+2], d[4j+3]) at columns 8j + 2(l%4) + {0,1}, j = 0..31. A pack turns two columns into a
 // word, the lower column in the low half.
-struct PackKept {  // d holds z * log2e: fp16 of z; satfinite maps |z| past fp16 (and -inf) to +-kMaxKeptLogit
-  __device__ __forceinline__ uint32_t operator()(float a, float b) const {
-    return cvt_f16x2_satfinite(b * kLn2, a * kLn2);
-  }
-};
-template <bool kBf16> struct PackDtype {  // d holds dlogit: rounded to the operand dtype (as from_f)
+template <bool kBf16> struct PackDtype {  // d holds dlogit (or q, fp16): rounded to the 2-byte dtype (as from_f)
   __device__ __forceinline__ uint32_t operator()(float a, float b) const {
     if constexpr (kBf16) return cvt_bf16x2(b, a);
     else return cvt_f16x2(b, a);
@@ -135,34 +132,79 @@ __device__ __forceinline__ void scale_tile(float* d, int64_t t0, int64_t col_end
 // ---- epilogue (kStats, kKeep): fold the scaled tile into the two rows' running statistics -------
 // A row's 256 values live in one quad of lanes (64 per lane): a thread-local pass plus two xor
 // shuffles. Exponentials use ex2 on the log2e-scaled logits; (m, s, a) are converted back to natural
-// units per tile and merged with stats_merge.
-__device__ __forceinline__ void fold_stats(const float* d, float (&mx)[2], float (&run)[2][3]) {
+// units per tile and merged with stats_merge (kKeep: with b, by moments_merge: the same (m, s, a)).
+struct TileSums {  // the tile's sums of the thread's two rows, in log2 units
+  float s[2] = {0.f, 0.f}, a[2] = {0.f, 0.f}, b[2] = {0.f, 0.f};
+};
+
+// The quad's row maxima, and the reference the exponentials are taken from (0 for an empty row).
+__device__ __forceinline__ void row_max(float (&mx)[2], float (&mref)[2]) {
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
     mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+    mref[r] = mx[r] > -INFINITY ? mx[r] : 0.f;
   }
-  float s[2] = {0.f, 0.f}, a[2] = {0.f, 0.f};
-  const float mref[2] = {mx[0] > -INFINITY ? mx[0] : 0.f, mx[1] > -INFINITY ? mx[1] : 0.f};
+}
+
+// Half `half` of the lane's values into the sums, in column order; kKeep also accumulates b and
+// leaves q = ex2(z log2e - mref) in d for the tile store.
+template <bool kKeep>
+__device__ __forceinline__ void fold_half(float* d, int half, const float (&mref)[2], TileSums& t) {
 #pragma unroll
-  for (int j = 0; j < 32; ++j) {
+  for (int jj = 0; jj < 16; ++jj) {
+    const int j = 16 * half + jj;
 #pragma unroll
     for (int q = 0; q < 4; ++q) {
       const int r = q >> 1;
-      float t = d[4 * j + q] - mref[r];
-      const float ex = ex2(t);
-      t = ex > 0.f ? t : 0.f;  // -inf logits (masked, padding, or a -inf bias): 0, not -inf * 0
-      s[r] += ex;
-      a[r] = fmaf(ex, t, a[r]);
+      float x = d[4 * j + q] - mref[r];
+      const float ex = ex2(x);
+      x = ex > 0.f ? x : 0.f;  // -inf logits (masked, padding, or a -inf bias): 0, not -inf * 0
+      t.s[r] += ex;
+      t.a[r] = fmaf(ex, x, t.a[r]);
+      if constexpr (kKeep) {
+        t.b[r] = fmaf(ex * x, x, t.b[r]);
+        d[4 * j + q] = ex;
+      }
     }
   }
+}
+
+// The quad's sums of the tile, merged into the rows' running statistics (natural units).
+template <int W>
+__device__ __forceinline__ void merge_tile(TileSums& t, const float (&mx)[2], float (&run)[2][W]) {
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    s[r] += __shfl_xor_sync(0xffffffffu, s[r], 1);
-    a[r] += __shfl_xor_sync(0xffffffffu, a[r], 1);
-    s[r] += __shfl_xor_sync(0xffffffffu, s[r], 2);
-    a[r] += __shfl_xor_sync(0xffffffffu, a[r], 2);
-    if (!(mx[r] == -INFINITY)) stats_merge(mx[r] * kLn2, s[r], a[r] * kLn2, run[r][0], run[r][1], run[r][2]);
+    t.s[r] += __shfl_xor_sync(0xffffffffu, t.s[r], 1);
+    t.a[r] += __shfl_xor_sync(0xffffffffu, t.a[r], 1);
+    t.s[r] += __shfl_xor_sync(0xffffffffu, t.s[r], 2);
+    t.a[r] += __shfl_xor_sync(0xffffffffu, t.a[r], 2);
+    if constexpr (W == 4) {
+      t.b[r] += __shfl_xor_sync(0xffffffffu, t.b[r], 1);
+      t.b[r] += __shfl_xor_sync(0xffffffffu, t.b[r], 2);
+    }
+    if (mx[r] == -INFINITY) continue;
+    if constexpr (W == 4) {
+      moments_merge(mx[r] * kLn2, t.s[r], t.a[r] * kLn2, t.b[r] * (kLn2 * kLn2), run[r][0], run[r][1], run[r][2],
+                    run[r][3]);
+    } else {
+      stats_merge(mx[r] * kLn2, t.s[r], t.a[r] * kLn2, run[r][0], run[r][1], run[r][2]);
+    }
+  }
+}
+
+// kKeep: the rows' max of the unit's tile t (natural units) as the group max of both 128-column
+// groups of the tile that lie inside the unit's columns (KeptLayout). gmax: row A's entry for the
+// unit's first group (null past the pass's rows); row B's lies 8 head rows further.
+__device__ __forceinline__ void store_group_max(const float (&mx)[2], int t, bool second, bool row_b, float* gmax,
+                                                const KeepRows& K) {
+  if (threadIdx.x % 4 != 0 || gmax == nullptr) return;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    if (r == 1 && !row_b) return;
+    float* gm = gmax + r * 8 * K.ld + 2 * t;
+    gm[0] = mx[r] * kLn2;
+    if (second) gm[1] = mx[r] * kLn2;
   }
 }
 
@@ -217,23 +259,27 @@ __device__ __forceinline__ void dlogit_row(float* d, int r, int half, int64_t t0
 
 // ---- epilogue: one tile, by kind ------------------------------------------------------------------
 // What a consumer thread carries across the tiles of its unit for its two rows (A, B).
-template <Epi kEpi> struct RowState {  // kStats, kKeep: the running (m, s, a)
+template <Epi kEpi> struct RowState {  // kStats: the running (m, s, a)
   float run[2][3] = {{-INFINITY, 0.f, 0.f}, {-INFINITY, 0.f, 0.f}};
+};
+template <> struct RowState<Epi::kKeep> {  // kKeep: the running (m, s, a, b), and where the group
+  float run[2][4] = {{-INFINITY, 0.f, 0.f, 0.f}, {-INFINITY, 0.f, 0.f, 0.f}};  // maxima go (store_group_max)
+  float* gmax = nullptr;
 };
 template <> struct RowState<Epi::kDlogit> {  // sum dz z (the rows' gradient inputs are re-read per
   float dzz[2] = {0.f, 0.f};                  // tile, L1 hits: kept in registers across the
 };                                            // mainloop, they made ptxas spill)
 
 template <bool kBf16, Epi kEpi, bool kMask>
-__device__ __forceinline__ void epilogue(float* d, int64_t t0, int64_t col_end, const Params& P, const GradArg<kEpi>& G,
+__device__ __forceinline__ void epilogue(float* d, int t, int64_t t0, int64_t col_end, const Params& P, const GradArg<kEpi>& G,
                                          float itA, float itB, const CUtensorMap* tmO, uint32_t buf, int cw,
                                          int64_t row0, RowState<kEpi>& st) {
   float mx[2];
   scale_tile<kMask>(d, t0, col_end, P, itA, itB, mx);
+  const int64_t rowA = row0 + (threadIdx.x % 128) / 32 * 16 + (threadIdx.x % 32) / 4;
   if constexpr (kEpi == Epi::kDlogit) {
     // half 1's dlogit is computed while the TMA reads half 0 out of the staging buffer. The rows'
     // gradient inputs are loaded per half (L1 hits): held across the first store, they made ptxas spill.
-    const int64_t rowA = row0 + (threadIdx.x % 128) / 32 * 16 + (threadIdx.x % 32) / 4;
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       dlogit_row(d, 0, half, t0, col_end, P, row_grad(P, G, rowA), st.dzz[0]);
@@ -241,10 +287,19 @@ __device__ __forceinline__ void epilogue(float* d, int64_t t0, int64_t col_end, 
       store_half(d, PackDtype<kBf16>{}, half, t0, col_end, P, tmO, buf, cw, row0);
     }
   } else {
-    // the statistics are folded while the TMA reads half 0 out of the staging buffer
-    if constexpr (kEpi == Epi::kKeep) store_half(d, PackKept{}, 0, t0, col_end, P, tmO, buf, cw, row0);
-    fold_stats(d, mx, st.run);
-    if constexpr (kEpi == Epi::kKeep) store_half(d, PackKept{}, 1, t0, col_end, P, tmO, buf, cw, row0);
+    float mref[2];
+    row_max(mx, mref);
+    TileSums sums;
+    constexpr bool kKeep = kEpi == Epi::kKeep;
+    fold_half<kKeep>(d, 0, mref, sums);
+    // half 1 is folded while the TMA reads half 0's q out of the staging buffer
+    if constexpr (kKeep) {
+      store_half(d, PackDtype<false>{}, 0, t0, col_end, P, tmO, buf, cw, row0);
+      store_group_max(mx, t, t0 + kBN / 2 < col_end, rowA + 8 < P.rows, st.gmax, G);
+    }
+    fold_half<kKeep>(d, 1, mref, sums);
+    if constexpr (kKeep) store_half(d, PackDtype<false>{}, 1, t0, col_end, P, tmO, buf, cw, row0);
+    merge_tile(sums, mx, st.run);
   }
 }
 
@@ -266,13 +321,14 @@ __device__ __forceinline__ void store_partials(RowState<kEpi>& st, const Params&
       if (rowB < P.rows) P.part[rowB * P.nsplit + cu] = st.dzz[1];
     }
   } else if ((lane & 3) == 0) {
-    if (rowA < P.rows) {
-      float* o = P.part + (rowA * P.nsplit + cu) * kStatWidth;
-      o[0] = st.run[0][0]; o[1] = st.run[0][1]; o[2] = st.run[0][2];
-    }
-    if (rowB < P.rows) {
-      float* o = P.part + (rowB * P.nsplit + cu) * kStatWidth;
-      o[0] = st.run[1][0]; o[1] = st.run[1][1]; o[2] = st.run[1][2];
+    const int64_t rows[2] = {rowA, rowB};
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      if (rows[r] >= P.rows) continue;
+      float* o = P.part + (rows[r] * P.nsplit + cu) * kPartWidth;
+      o[0] = st.run[r][0]; o[1] = st.run[r][1]; o[2] = st.run[r][2];
+      if constexpr (kEpi == Epi::kKeep) o[3] = st.run[r][3];
+      else o[3] = 0.f;
     }
   }
 }

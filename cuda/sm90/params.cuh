@@ -12,7 +12,8 @@ constexpr int kBM = 128, kBN = 256, kBK = 64;
 
 // What the epilogue does with each logit tile (the kernel's template parameter).
 //   kStats   the forward: fold the tile into per-row (m, s, a); logits never leave registers;
-//   kKeep    the same, and also store z as fp16 (the fast backward's kept logits);
+//   kKeep    the same, and also the fast backward's kept record: q = exp(z - tile max) as fp16,
+//            the tile maxima and the moment b (linear_logp_cuda.h, KeptLayout);
 //   kDlogit  the lean backward's recompute: dlogit = dz * inv_temp from the row's lse (and entropy
 //            and upstream gradients), stored in the operand dtype; with a dT, sum_j dz z per
 //            (row, split).
@@ -27,8 +28,8 @@ struct Params {
   int64_t vocab_start, real_vocab;
   const float* bias;  // f32, of local column 0, or null
   const float* temperature;
-  float* part;        // kStats, kKeep: [rows, nsplit, kStatWidth]; kDlogit: [rows, nsplit] sum dz z, or null
-  uint16_t* out;      // [rows, ldo] 2-byte tile output: kept logits (kKeep) or dlogit (kDlogit)
+  float* part;        // kStats, kKeep: [rows, nsplit, kPartWidth]; kDlogit: [rows, nsplit] sum dz z, or null
+  uint16_t* out;      // [rows, ldo] 2-byte tile output: q (kKeep) or dlogit (kDlogit)
   int64_t ldo, cols;  // its row stride and width (columns past `cols` are not written)
   bool out_tma;       // the output goes out by TMA (16-byte aligned rows and tile starts)
 };
@@ -40,7 +41,14 @@ struct GradRows {
   const float *m, *log_s, *ent, *g, *e;  // ent, e may be null (no entropy term)
   int64_t ignore_index;
 };
+// kKeep's: where the group maxima of the kept record go (this pass's rows).
+struct KeepRows {
+  float* head;                    // [rows, ld] the kept record's head
+  int64_t ld, group_max_at, groups_per_chunk;
+};
 struct NoGradRows {};
-template <Epi kEpi> using GradArg = std::conditional_t<kEpi == Epi::kDlogit, GradRows, NoGradRows>;
+template <Epi kEpi>
+using GradArg = std::conditional_t<kEpi == Epi::kDlogit, GradRows,
+                                   std::conditional_t<kEpi == Epi::kKeep, KeepRows, NoGradRows>>;
 
 }  // namespace rlk::cuda::detail::sm90

@@ -89,13 +89,7 @@ __device__ __forceinline__ void stmatrix_x4(uint32_t addr, uint32_t r0, uint32_t
                "r"(r2), "r"(r3) : "memory");
 }
 // Two floats to a word of two 2-byte values, rounded to nearest: `hi` to the upper half, `lo` to
-// the lower (PTX's operand order). satfinite: values past the fp16 range (and +-inf) become
-// +-65504, not +-inf.
-__device__ __forceinline__ uint32_t cvt_f16x2_satfinite(float hi, float lo) {
-  uint32_t w;
-  asm("cvt.rn.satfinite.f16x2.f32 %0, %1, %2;\n" : "=r"(w) : "f"(hi), "f"(lo));
-  return w;
-}
+// the lower (PTX's operand order).
 __device__ __forceinline__ uint32_t cvt_f16x2(float hi, float lo) {
   uint32_t w;
   asm("cvt.rn.f16x2.f32 %0, %1, %2;\n" : "=r"(w) : "f"(hi), "f"(lo));

@@ -102,6 +102,33 @@ RLK_HD void stats_merge(float m2, float s2, float a2, float& m, float& s, float&
   }
 }
 
+// The kept records' chunk moments: (m, s, a) as stats_merge, plus b = sum_j exp(z_j - m) (z_j - m)^2
+// (the fast backward's dT, see moments_dzz). (m, s, a) come out with stats_merge's bits.
+RLK_HD void moments_merge(float m2, float s2, float a2, float b2, float& m, float& s, float& a, float& b) {
+  if (s2 == 0.f) return;
+  if (s == 0.f) {
+    b = b2;
+  } else if (m2 > m) {  // rebase (m, s, a, b) to m2: z - m2 = (z - m) + d
+    const float d = m - m2;
+    b = expf(d) * (b + d * (2.f * a + d * s)) + b2;
+  } else {
+    const float d = m2 - m;
+    b = b + expf(d) * (b2 + d * (2.f * a2 + d * s2));
+  }
+  stats_merge(m2, s2, a2, m, s, a);
+}
+
+// sum_j dz_j (z_j - m) over the columns of one chunk whose moments (m_c, s_c, a_c, b_c) are mom
+// (relative to m_c), for a row of max m and log-sum log_s, c = log_s - ent, upstream grads g, e,
+// without the target's g (z_t - m): with d = m_c - m and w = exp(d - log_s) (p = w exp(z - m_c)),
+//   w [(c e - g)(a_c + d s_c) - e (b_c + d (2 a_c + d s_c))].
+// The fast backward's dT from fp32 sums, where its kept fp16 probabilities would round it.
+RLK_HD float moments_dzz(const float* mom, float m, float log_s, float c, float g, float e) {
+  if (mom[1] == 0.f) return 0.f;  // only padding
+  const float d = mom[0] - m, w = expf(d - log_s), ad = mom[2] + d * mom[1];
+  return w * ((c * e - g) * ad - e * (mom[3] + d * (2.f * mom[2] + d * mom[1])));
+}
+
 // 1 / T, correctly rounded on every platform. The kernels take the temperature, not its inverse:
 // XLA's GPU division is not correctly rounded (div.full.f32, up to 1 ulp off) while torch's is,
 // so an inverse formed by each frontend would differ between JAX and torch.

@@ -117,7 +117,7 @@ struct Outputs {
   std::vector<float> stats, tlogit, logp, lse, ent, dh, db, dzz;
   std::vector<uint16_t> dw16; std::vector<float> dw32;
   Backend fwd_be = Backend::kCount;
-  bool kept_written = true;  // fast: every kept logit written (the poison is NaN)
+  bool kept_written = true;  // fast: every byte of the kept record written (the poison is NaN)
 };
 
 // fast: the forward keeps the logits and the backward reads (and overwrites) them. dh_dtype: f32
@@ -129,16 +129,21 @@ static Outputs run_once(const Inputs& in, bool bwd, bool fast, DType dh_dtype) {
   DevBuf stats(size_t(p.n) * K * kStatWidth * 4), tl(p.n * 4), logp(p.n * 4), m(p.n * 4), log_s(p.n * 4), ent(p.n * 4);
   DevBuf fws(cuda::forward_workspace_bytes(p));
   stats.poison(); tl.poison(); logp.poison(); m.poison(); log_s.poison(); ent.poison(); fws.poison();
-  const size_t kb = dtype_bytes(cuda::kept_dtype(p.dtype));
-  DevBuf kept(bwd && fast ? size_t(p.n) * p.v * kb : 0);
+  DevBuf kept(bwd && fast ? cuda::kept_bytes(p) : 0);
   kept.poison();
   FwdArgs fa;
   fa.hidden = in.hidden; fa.weight = in.weight; fa.bias = in.bias; fa.targets = in.targets;
   fa.temperature = in.temperature; fa.stats = stats.as<float>(); fa.target_logit = tl.as<float>(); fa.logits = kept.p;
   CKS(cuda::forward(p, fa, {fws.p, fws.bytes}, 0, &o.fwd_be));
-  if (kept.p) {
-    if (kb == 4) { for (float x : kept.get<float>(size_t(p.n) * p.v)) o.kept_written &= !std::isnan(x); }
-    else for (uint16_t x : kept.get<uint16_t>(size_t(p.n) * p.v)) o.kept_written &= (x & 0x7fff) <= 0x7c00;
+  if (kept.p) {  // z or the head: fp32, never NaN here; q: fp16 in [0, 1]
+    const size_t f32 = p.dtype == DType::kF32 ? kept.bytes / 4 : size_t(p.n) * cuda::KeptLayout(p).floats;
+    const std::vector<float> z = kept.get<float>(f32);
+    for (float x : z) o.kept_written &= !std::isnan(x);
+    if (p.dtype != DType::kF32) {
+      std::vector<uint16_t> q(size_t(p.n) * p.v);
+      CK(cudaMemcpy(q.data(), static_cast<char*>(kept.p) + f32 * 4, q.size() * 2, cudaMemcpyDeviceToHost));
+      for (uint16_t x : q) o.kept_written &= x <= 0x3c00;
+    }
   }
   CombineArgs ca;
   ca.n = p.n; ca.k = K; ca.real_vocab = p.real_vocab; ca.ignore_index = p.ignore_index;
@@ -422,7 +427,7 @@ static void bench_shape(const char* name, int64_t n, int64_t h, int64_t v, int r
   DevBuf stats(size_t(n) * K * 12), tl(n * 4), logp(n * 4), m(n * 4), log_s(n * 4), ent(n * 4), fws(cuda::forward_workspace_bytes(p));
   DevBuf dh(size_t(n) * h * 2), dw(size_t(v) * h * 2), dzz(n * 4);
   DevBuf lean_ws(cuda::backward_workspace_bytes(p, false, p.dtype)), fast_ws(cuda::backward_workspace_bytes(p, true, p.dtype));
-  DevBuf kept(size_t(n) * v * 2);
+  DevBuf kept(cuda::kept_bytes(p));
   FwdArgs fa; fa.hidden = H.p; fa.weight = W.p; fa.targets = T.as<int32_t>(); fa.temperature = IT.as<float>();
   fa.stats = stats.as<float>(); fa.target_logit = tl.as<float>();
   CombineArgs ca; ca.n = n; ca.k = K; ca.real_vocab = v; ca.stats = stats.as<float>(); ca.target_logit = tl.as<float>();
