@@ -132,8 +132,8 @@ __global__ void __launch_bounds__(kThreads) fwd_split_kernel(
             const float d = z[e] - mx;
             ex[e] = expf(d);
             s += ex[e];
-            a += ex[e] * d;
-            if (kQ && keep) b += ex[e] * d * d;
+            a = fmaf(ex[e], d, a);  // explicit: b's products must not change a's rounding
+            if (kQ && keep) b = fmaf(ex[e] * d, d, b);
           }
         }
       }
@@ -232,7 +232,8 @@ Status forward_portable_partials(const Problem& p, const T* hidden, int64_t rows
   // Set on every call (cheap, host-only, legal under stream capture): the attribute is per device.
   if (set_smem(fwd_split_kernel<T>, smem) != cudaSuccess) return "rlk cuda: cudaFuncSetAttribute failed (forward)";
   const dim3 grid(unsigned((rows + kBM - 1) / kBM), unsigned(total_splits(p)));
-  fwd_split_kernel<T><<<grid, kThreads, smem, st>>>(hidden, weight, bias, temperature, part, kept, rows, p.h, p.chunk, splits_per_chunk(p.chunk), total_splits(p),
+  fwd_split_kernel<T><<<grid, kThreads, smem, st>>>(hidden, weight, bias, temperature, part, kept, rows, p.h, p.chunk,
+                                                    splits_per_chunk(p.chunk), total_splits(p),
                                                     p.vocab_start, p.real_vocab, p.v);
   RLK_CHECK_LAUNCH("rlk cuda: forward kernel launch failed");
   return nullptr;

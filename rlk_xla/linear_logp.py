@@ -49,12 +49,12 @@ def linear_logp(hidden, weight, targets, *, bias=None, temperature=1.0, ignore_i
     (and gradients) and records per call, in route_stats()["audit"], how many rows' logp equal
     the reference's bit for bit and the mean and max |logp - reference logp|.
     backward: the gradient's strategy. "fast" keeps what the backward needs from the forward (this
-    shard's logits in a max-relative form: about n * V_local * 2 bytes for 16-bit operands on the
-    CPU, 4 for fp32; _rlk_core.kept_bytes) and reads it back; "lean" recomputes the logits
+    shard's logits in a max-relative form: about n * V_local * 2 bytes for 16-bit operands, 4 for
+    fp32; _rlk_core.kept_bytes) and reads it back, as exact as lean at any logit scale; "lean" recomputes the logits
     chunk by chunk (on CUDA a workspace of at most 256 MiB, whatever n and V);
     "auto" (default) is fast when the kept logits fit backward_memory_budget bytes (default: env
     RLK_BACKWARD_MEMORY_BUDGET, else 4 GiB), else lean. Only calls that are differentiated keep
-    logits. fast's fp16 logits move the gradient by up to |z| * 2^-11 relative (docs/design.md §5).
+    logits (docs/design.md §5).
     """
     mode = routes.resolve_mode(mode)
     return_entropy = common.check_flag("return_entropy", return_entropy)

@@ -105,15 +105,17 @@ RLK_HD void stats_merge(float m2, float s2, float a2, float& m, float& s, float&
 // The kept records' chunk moments: (m, s, a) as stats_merge, plus b = sum_j exp(z_j - m) (z_j - m)^2
 // (the fast backward's dT, see moments_dzz). (m, s, a) come out with stats_merge's bits.
 RLK_HD void moments_merge(float m2, float s2, float a2, float b2, float& m, float& s, float& a, float& b) {
+  // Explicit fmaf: no product here is shared with stats_merge's expressions, whose contraction
+  // into fma must not depend on whether b is merged too (the same (m, s, a) bits either way).
   if (s2 == 0.f) return;
   if (s == 0.f) {
     b = b2;
   } else if (m2 > m) {  // rebase (m, s, a, b) to m2: z - m2 = (z - m) + d
     const float d = m - m2;
-    b = expf(d) * (b + d * (2.f * a + d * s)) + b2;
+    b = fmaf(expf(d), fmaf(d, fmaf(d, s, 2.f * a), b), b2);
   } else {
     const float d = m2 - m;
-    b = b + expf(d) * (b2 + d * (2.f * a2 + d * s2));
+    b = fmaf(expf(d), fmaf(d, fmaf(d, s2, 2.f * a2), b2), b);
   }
   stats_merge(m2, s2, a2, m, s, a);
 }
