@@ -27,7 +27,10 @@ size_t forward_workspace_bytes(const Problem& p);
 //   16-bit operands, the max-relative record (as the CPU backend's, in a layout for TMA stores):
 //     float head[n][floats]  per row: moments[chunks][4], the chunk's (m, s, a, b) with
 //                            b = sum_j exp(z_j - m) (z_j - m)^2; group_max[groups]; z_target;
-//                            zeros up to a multiple of 4 floats (so q starts 16-byte aligned)
+//                            zeros up to a multiple of 64 floats: q starts 256-byte aligned for
+//                            any n (the gradient GEMMs read q's bytes as dlogit, and cuBLASLt
+//                            picks slower kernels for a less aligned operand: T3, n = 6827,
+//                            lost 4% to a 16-byte aligned q)
 //     fp16  q[n][v]          q_j = exp(z_j - mt), mt = group_max of the column's group: 128
 //                            columns counted from the chunk's first (the portable kernel's tile;
 //                            the sm90 kernel gives both halves of its 256-column tile the tile's max)
@@ -40,7 +43,7 @@ struct KeptLayout {
   KeptLayout() = default;
   explicit KeptLayout(const Problem& p)
       : chunks(num_chunks(p)), groups_per_chunk((p.chunk + kGroupCols - 1) / kGroupCols),
-        floats((chunks * 4 + chunks * groups_per_chunk + 1 + 3) / 4 * 4) {}
+        floats((chunks * 4 + chunks * groups_per_chunk + 1 + 63) / 64 * 64) {}
   RLK_HD int64_t group_max_at() const { return chunks * 4; }  // offsets in a row's head
   RLK_HD int64_t z_target_at() const { return chunks * 4 + chunks * groups_per_chunk; }
   // The group of local column `col` in chunk `c` (col in [c * chunk, (c + 1) * chunk)).
