@@ -74,6 +74,13 @@ def check_ignore_index(ignore_index) -> int:
     return int(ignore_index)
 
 
+def bad_targets(index: int, value: int, vocab_size: int, ignore_index: int, count: int) -> ValueError:
+    """validate_targets' error (both frontends): the first bad id, at `index`, of `count` ids
+    outside [0, vocab_size) that are not ignore_index."""
+    return ValueError(f"targets[{index}] = {value} is outside [0, {vocab_size}) and is not "
+                      f"ignore_index={ignore_index} ({count} bad ids in all)")
+
+
 INT32_MIN, INT32_MAX = -(2 ** 31), 2 ** 31 - 1
 
 

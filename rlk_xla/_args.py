@@ -148,8 +148,7 @@ def validate_targets(targets, vocab_size: int, ignore_index: int = -100) -> None
     bad = np.nonzero(~ignored & out)[0]
     if bad.size:
         i = int(bad[0])
-        raise ValueError(f"targets[{i}] = {int(t[i])} is outside [0, {vocab_size}) and is not "
-                         f"ignore_index={ignore_index} ({bad.size} bad ids in all)")
+        raise common.bad_targets(i, int(t[i]), vocab_size, ignore_index, int(bad.size))
 
 
 def kept_bytes(n: int, v_local: int, chunk: int, dtype) -> int:

@@ -43,3 +43,9 @@ def test_check_decode_batch():
         common.check_decode_batch((3, 1), (3, 1, 8), None, "f")
     with pytest.raises(RuntimeError, match=r"^f needs the fused kernels \(the trainer's bits\): dtype x$"):
         common.check_decode_batch((3,), (3, 8), "dtype x", "f")
+
+
+def test_bad_targets_names_the_first_id_and_the_count():
+    e = common.bad_targets(3, 70000, 50000, -100, 2)
+    assert isinstance(e, ValueError)
+    assert str(e) == "targets[3] = 70000 is outside [0, 50000) and is not ignore_index=-100 (2 bad ids in all)"

@@ -199,8 +199,7 @@ def validate_targets(targets, vocab_size: int, ignore_index: int = -100) -> None
         idx = torch.nonzero(bad).reshape(-1)
         i = int(idx[0])
         value = int(s[i]) % 2 ** 64 if t.dtype == torch.uint64 else int(s[i])
-        raise ValueError(f"targets[{i}] = {value} is outside [0, {vocab_size}) and is not "
-                         f"ignore_index={ignore_index} ({idx.numel()} bad ids in all)")
+        raise common.bad_targets(i, value, vocab_size, ignore_index, idx.numel())
 
 
 def unsupported(hidden: torch.Tensor) -> str | None:
