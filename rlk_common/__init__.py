@@ -1,6 +1,8 @@
-"""The framework-neutral rules both frontends (rlk_xla, torch_bridge) share: the modes, the
-backward strategies and their memory budget, the dtype codes and buffer sizes of the compiled
-module (dtypes by name). The route log and its schema, the compiled module's route counters
+"""The framework-neutral rules both frontends (rlk_xla, torch_bridge) share, each stated once:
+the modes and the route of a call (route_call), the backward strategies and their memory budget
+(resolve_backward), the argument checks that need no framework, the dtypes the kernels take, a
+shard's chunk, the dtype codes and buffer sizes of the compiled module (dtypes by name), and the
+import of that module. The route log and its schema, the compiled module's route counters
 included, are routes.py's; the train/rollout figures diagnostics.py's.
 
 Imports neither jax nor torch: each frontend passes in what only it knows (its compiled module,
