@@ -1,6 +1,9 @@
-"""The framework-neutral rules both frontends (rlk_xla, torch_bridge) share: the modes, the
-backward strategies and their memory budget, the dtype codes and buffer sizes of the compiled
-module (dtypes by name), and its route counters (the host-side route log over them: routes.py).
+"""The framework-neutral rules both frontends (rlk_xla, torch_bridge) share, each stated once:
+the modes and the route of a call (route_call), the backward strategies and their memory budget
+(resolve_backward), the argument checks that need no framework, the dtypes the kernels take, a
+shard's chunk, the dtype codes and buffer sizes of the compiled module (dtypes by name), and the
+import of that module. The route log and its schema, the compiled module's route counters
+included, are routes.py's; the train/rollout figures diagnostics.py's.
 
 Imports neither jax nor torch: each frontend passes in what only it knows (its compiled module,
 its dtypes by name, and devices).
@@ -10,17 +13,33 @@ from __future__ import annotations
 import dataclasses
 import numbers
 import os
+import typing
+
+from .routes import COUNT_NAMES, backend_counts  # noqa: F401  (the route schema's home is routes.py)
 
 MODES = ("off", "auto", "strict", "audit")
 BACKWARDS = ("auto", "fast", "lean")
+# The operand dtypes the kernels take, by the name jax and torch give them (rlk::DType; a test
+# checks _rlk_core.DType binds exactly these).
+KERNEL_DTYPES = ("bfloat16", "float16", "float32")
 # The id of a rollout padding row (both frontends' default ignore_index): logp 0, entropy 0.
 PAD_ID = -100
 DEFAULT_BACKWARD_MEMORY_BUDGET = 4 << 30  # bytes of kept logits backward="auto" may spend (per shard)
-COUNT_NAMES = ("fwd_calls", "fwd_tokens", "bwd_calls", "bwd_tokens", "bwd_fast_calls")
 # The shapes that matter (docs/design.md §6): name -> (tokens n, hidden h, local vocab V).
 SHAPES = {"T1": (796, 2048, 75968), "T2": (1820, 2048, 75968), "T3": (6827, 2048, 75968),
           "T3-tp1": (6827, 2048, 151936), "Q8B-tp4": (4096, 4096, 37984), "L16k": (16384, 4096, 151936),
           "H200-pub": (4096, 4096, 128256)}
+
+
+def import_core(frontend: str):
+    """The compiled module _rlk_core (one per process, shared by both frontends), else an
+    ImportError saying how `frontend` gets it."""
+    try:
+        import _rlk_core
+    except ImportError as e:  # pragma: no cover - only when the build is missing
+        raise ImportError(f"{frontend}: the compiled module _rlk_core is not installed; build it with "
+                          "`pip install .` (see README, Install)") from e
+    return _rlk_core
 
 
 class BudgetTypeError(TypeError, ValueError):
@@ -57,6 +76,13 @@ def check_ignore_index(ignore_index) -> int:
     return int(ignore_index)
 
 
+def bad_targets(index: int, value: int, vocab_size: int, ignore_index: int, count: int) -> ValueError:
+    """validate_targets' error (both frontends): the first bad id, at `index`, of `count` ids
+    outside [0, vocab_size) that are not ignore_index."""
+    return ValueError(f"targets[{index}] = {value} is outside [0, {vocab_size}) and is not "
+                      f"ignore_index={ignore_index} ({count} bad ids in all)")
+
+
 INT32_MIN, INT32_MAX = -(2 ** 31), 2 ** 31 - 1
 
 
@@ -77,11 +103,17 @@ class IdRule:
     remap: bool
 
 
+def invalid_id(ignore: int) -> int:
+    """The int32 id the kernels get for a row without a valid target, given the int32 ignore_index
+    they get: -1, or -2 where -1 is the ignore_index."""
+    return -1 if ignore != -1 else -2
+
+
 def id_rule(lo: int, hi: int, ignore_index: int) -> IdRule:
     """The IdRule of ids in [lo, hi] (the dtype's range) with this ignore_index (any int)."""
     fits = INT32_MIN <= ignore_index <= INT32_MAX
     ignore = ignore_index if fits else -1
-    invalid = -1 if ignore != -1 else -2
+    invalid = invalid_id(ignore)
     return IdRule(ignore_index=ignore_index, ignore=ignore, invalid=invalid, match_ignore=lo <= ignore_index <= hi, check_low=lo < 0,
                   check_high=hi > INT32_MAX, remap=hi > INT32_MAX or lo < INT32_MIN or not fits)
 
@@ -95,6 +127,33 @@ def scalar_temperature(temperature) -> float | None:
     return float(temperature)
 
 
+def shard_chunk(canonical: int, v_local: int) -> int:
+    """The chunk a vocab shard of v_local rows is reduced in: the global vocab's canonical chunk
+    when the shard holds whole canonical chunks, else the whole shard (which works, without the
+    bitwise TP-invariance promise: TP degrees above MAX_INVARIANT_TP, or not dividing the vocab's
+    power of two)."""
+    return canonical if v_local % canonical == 0 else v_local
+
+
+def dtype_fallback(name: str) -> str | None:
+    """The fallback reason of operands of the dtype named `name`, None for a dtype the kernels take."""
+    if name in KERNEL_DTYPES:
+        return None
+    return f"dtype {name} (supported: {', '.join(KERNEL_DTYPES)})"
+
+
+def check_decode_batch(targets_shape: tuple, hidden_shape: tuple, reason: str | None, caller: str) -> None:
+    """score_sampled's rules (both frontends' rollout): one row per sequence of the decode batch
+    (hidden [n, H], ids [n]; else ValueError), through the fused kernels only, so that the rollout
+    records the trainer's bits (reason: why the kernels cannot take the call, None if they can;
+    else RuntimeError)."""
+    if len(targets_shape) != 1:
+        raise ValueError(f"hidden must be [n, H] and sampled_ids [n] (one row per sequence of the decode batch), "
+                         f"got hidden {tuple(hidden_shape)}")
+    if reason is not None:
+        raise RuntimeError(f"{caller} needs the fused kernels (the trainer's bits): {reason}")
+
+
 def real_vocab(real_vocab_size, v_global: int) -> int:
     """The real (unpadded) vocab size: the argument, else the padded global vocab."""
     if v_global < 1:
@@ -106,10 +165,42 @@ def real_vocab(real_vocab_size, v_global: int) -> int:
 
 
 def resolve_mode(mode: str | None) -> str:
+    """The call's mode (MODES): the argument, else env RLK_MODE, else "auto". What each mode runs,
+    raises and counts: route_call."""
     mode = mode if mode is not None else os.environ.get("RLK_MODE", "auto")
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r} (argument mode or env RLK_MODE)")
     return mode
+
+
+class Route(typing.NamedTuple):
+    """How one call of a frontend's linear_logp runs (route_call). A NamedTuple: torch.compile
+    traces it."""
+    fused: bool           # the compiled kernels; else the frontend's reference
+    audit: bool           # fused, and the reference too, compared row by row in the route log
+    counted: bool         # a reference call the route log counts (it has rows)
+    reason: str | None    # the fallback's reason (the route log's key); None for mode off
+
+
+def route_call(mode: str, rows: int, reason: str | None, caller: str) -> Route:
+    """The route of one call under `mode` (resolve_mode) over `rows` rows; `reason`: why the fused
+    kernels cannot take the call (an unsupported dtype, no kernel for the platform), None if they
+    can. The modes:
+    - "auto" (the default): the kernels; where they cannot run, the reference, its fallback
+      reason counted in the route log;
+    - "strict": the kernels; where they cannot run, RuntimeError naming the reason;
+    - "off": the reference (materialized logits), counted in the route log without a reason;
+    - "audit": as auto, and where the kernels run the reference too: the result (and gradients)
+      are the kernels', and the route log's audit records per call how many rows' logp equal the
+      reference's bit for bit and the mean and max |logp - reference logp|.
+    A call of no rows runs the reference, uncounted, in every mode."""
+    if rows == 0 or mode == "off":
+        return Route(fused=False, audit=False, counted=rows > 0, reason=None)
+    if reason is not None:
+        if mode == "strict":
+            raise RuntimeError(f"{caller}(mode='strict'): the fused kernels cannot run this call: {reason}")
+        return Route(fused=False, audit=False, counted=True, reason=reason)
+    return Route(fused=True, audit=mode == "audit", counted=False, reason=None)
 
 
 def backward_memory_budget(budget) -> int:
@@ -160,16 +251,21 @@ def cuda_workspace_bytes(core, n: int, h: int, v_local: int, chunk: int, dtype: 
 
 
 def resolve_backward(backward: str, kept_bytes: int, budget=None) -> str:
-    """"fast" or "lean". kept_bytes: what fast would keep (the frontend knows its dtypes). auto is
-    fast when that fits the budget (inclusive). The budget is checked whatever the strategy."""
+    """The backward strategy of one call (BACKWARDS), "fast" or "lean":
+    - "fast": the forward also keeps what the backward needs of this shard's logits (the kept
+      buffer, in a max-relative form: kept_bytes, about n * V_local * 2 bytes for 16-bit operands,
+      4 for fp32) and the backward reads it back instead of recomputing the logits, as exact as
+      lean at any logit scale and temperature (docs/design.md §5);
+    - "lean": the backward recomputes the logits chunk by chunk (on CUDA a workspace of at most
+      256 MiB, whatever n and V);
+    - "auto" (the default): fast when kept_bytes (what fast would keep: the frontend knows its
+      dtypes and device; 0 where the kernels do not run) fits the budget, inclusive, else lean.
+    budget: bytes (backward_memory_budget: None is env RLK_BACKWARD_MEMORY_BUDGET, else
+    DEFAULT_BACKWARD_MEMORY_BUDGET, 4 GiB), checked whatever the strategy. Only calls that are
+    differentiated keep logits."""
     if backward not in BACKWARDS:
         raise ValueError(f"backward must be one of {BACKWARDS}, got {backward!r}")
     budget = backward_memory_budget(budget)
     if backward != "auto":
         return backward
     return "fast" if kept_bytes <= budget else "lean"
-
-
-def backend_counts(core) -> dict:
-    """The compiled module's route counters, {backend: {count name: value}}."""
-    return {name: dict(zip(COUNT_NAMES, counts)) for name, counts in core.route_counts().items()}

@@ -12,7 +12,14 @@ import threading
 
 import numpy as np
 
-from . import backend_counts
+# The compiled module's counters per backend, in the order core.route_counts() gives them
+# (ffi/module.cc, from rlk::RouteCounts).
+COUNT_NAMES = ("fwd_calls", "fwd_tokens", "bwd_calls", "bwd_tokens", "bwd_fast_calls")
+
+
+def backend_counts(core) -> dict:
+    """The compiled module's route counters, {backend: {count name: value}}."""
+    return {name: dict(zip(COUNT_NAMES, counts)) for name, counts in core.route_counts().items()}
 
 
 def audit_diff(ours, ref) -> tuple[np.ndarray, np.ndarray]:

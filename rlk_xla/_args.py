@@ -19,7 +19,7 @@ import rlk_common as common
 from ._core import core
 
 F32 = jnp.float32
-SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
+SUPPORTED_DTYPES = tuple(jnp.dtype(name) for name in common.KERNEL_DTYPES)
 
 
 @dataclasses.dataclass
@@ -40,11 +40,8 @@ class Args:
 
     @property
     def chunk(self) -> int:
-        """Canonical chunk of the global vocab; a shard that does not hold whole canonical chunks
-        (TP degrees above MAX_INVARIANT_TP, or not dividing the vocab's power of two) is one chunk:
-        it still works, without the bitwise TP-invariance promise."""
-        c = core.canonical_chunk(self.v_global)
-        return c if self.weight.shape[0] % c == 0 else self.weight.shape[0]
+        """The chunk this shard is reduced in (rlk_common.shard_chunk)."""
+        return common.shard_chunk(core.canonical_chunk(self.v_global), self.weight.shape[0])
 
 
 def _shape(x, name):
@@ -151,8 +148,7 @@ def validate_targets(targets, vocab_size: int, ignore_index: int = -100) -> None
     bad = np.nonzero(~ignored & out)[0]
     if bad.size:
         i = int(bad[0])
-        raise ValueError(f"targets[{i}] = {int(t[i])} is outside [0, {vocab_size}) and is not "
-                         f"ignore_index={ignore_index} ({bad.size} bad ids in all)")
+        raise common.bad_targets(i, int(t[i]), vocab_size, ignore_index, int(bad.size))
 
 
 def kept_bytes(n: int, v_local: int, chunk: int, dtype) -> int:
@@ -163,8 +159,7 @@ def kept_bytes(n: int, v_local: int, chunk: int, dtype) -> int:
 
 
 def resolve_backward(backward: str, a: Args, budget) -> str:
-    """"fast" or "lean" (rlk_common.resolve_backward): auto is fast when the kept buffer
-    (kept_bytes) fits the budget (bytes; None: env RLK_BACKWARD_MEMORY_BUDGET, else 4 GiB)."""
+    """"fast" or "lean": rlk_common.resolve_backward over this call's kept_bytes."""
     if jnp.dtype(a.hidden.dtype) not in SUPPORTED_DTYPES:  # the reference runs: nothing is kept
         return common.resolve_backward(backward, 0, budget)
     return common.resolve_backward(backward, kept_bytes(a.hidden.shape[0], a.weight.shape[0], a.chunk,

@@ -5,14 +5,11 @@ import functools
 import importlib.util
 import warnings
 
-try:
-    import _rlk_core as core
-except ImportError as e:  # pragma: no cover - only when the build is missing
-    raise ImportError(
-        "rlk_xla: the compiled module _rlk_core is not installed; build it with "
-        "`pip install .` (see README, Install)") from e
-
 import jax
+
+import rlk_common
+
+core = rlk_common.import_core("rlk_xla")
 
 # jax's CUDA plugins (jax[cuda12], jax[cuda13]): with one installed, jax runs on the GPU.
 CUDA_PLUGINS = ("jax_cuda12_plugin", "jax_cuda13_plugin")

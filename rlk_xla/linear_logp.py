@@ -43,18 +43,10 @@ def linear_logp(hidden, weight, targets, *, bias=None, temperature=1.0, ignore_i
     gradient; rlk_xla.validate_targets raises ValueError for them, eagerly.
     Inside shard_map pass axis_name: weight (and bias) are this device's vocab shard, vocab_start
     defaults to axis_index * V, real_vocab_size to the padded global vocab.
-    mode: "auto" (default, env RLK_MODE): the kernels, or the reference with the fallback and its
-    reason counted when this build cannot take the call; "strict": the kernels or RuntimeError;
-    "off": the reference (materialized logits); "audit": runs both, returns the kernels' result
-    (and gradients) and records per call, in route_stats()["audit"], how many rows' logp equal
-    the reference's bit for bit and the mean and max |logp - reference logp|.
-    backward: the gradient's strategy. "fast" keeps what the backward needs from the forward (this
-    shard's logits in a max-relative form: about n * V_local * 2 bytes for 16-bit operands, 4 for
-    fp32; _rlk_core.kept_bytes) and reads it back, as exact as lean at any logit scale; "lean" recomputes the logits
-    chunk by chunk (on CUDA a workspace of at most 256 MiB, whatever n and V);
-    "auto" (default) is fast when the kept logits fit backward_memory_budget bytes (default: env
-    RLK_BACKWARD_MEMORY_BUDGET, else 4 GiB), else lean. Only calls that are differentiated keep
-    logits (docs/design.md §5).
+    mode: one of MODES, default env RLK_MODE, else "auto"; what each runs, raises and counts (in
+    route_stats()) is rlk_common.route_call's docstring.
+    backward: the gradient's strategy, "auto" (default), "fast" or "lean", with
+    backward_memory_budget (bytes) the budget of auto: rlk_common.resolve_backward's docstring.
     """
     mode = routes.resolve_mode(mode)
     return_entropy = common.check_flag("return_entropy", return_entropy)
@@ -62,21 +54,16 @@ def linear_logp(hidden, weight, targets, *, bias=None, temperature=1.0, ignore_i
               vocab_start=vocab_start, real_vocab_size=real_vocab_size, axis_name=axis_name)
     n = a.hidden.shape[0]
     strategy = resolve_backward(backward, a, backward_memory_budget)
-    reason = _unsupported(a)
-    if n == 0 or mode == "off":
-        if n:
-            routes.count_reference(a.targets, None)
-        logp, ent = reference.rows(a, return_entropy)
-    elif reason is not None:
-        if mode == "strict":
-            raise RuntimeError(f"rlk_xla.linear_logp(mode='strict'): the fused kernels cannot run this call: {reason}")
-        routes.count_reference(a.targets, reason)
-        logp, ent = reference.rows(a, return_entropy)
-    else:
+    route = common.route_call(mode, n, _unsupported(a), "rlk_xla.linear_logp")
+    if route.fused:
         logp, ent = fused_rows(a, return_entropy, keep_logits=strategy == "fast")
-        if mode == "audit":
+        if route.audit:
             ref_logp, _ = reference.rows(a, False)
             routes.record_audit(logp, lax.stop_gradient(ref_logp))
+    else:
+        if route.counted:
+            routes.count_reference(a.targets, route.reason)
+        logp, ent = reference.rows(a, return_entropy)
     logp = logp.reshape(a.out_shape)
     return (logp, ent.reshape(a.out_shape)) if return_entropy else logp
 
@@ -84,7 +71,7 @@ def linear_logp(hidden, weight, targets, *, bias=None, temperature=1.0, ignore_i
 def _unsupported(a: Args) -> str | None:
     """Why the fused kernels cannot take this call (the fallback reason), or None."""
     if jnp.dtype(a.hidden.dtype) not in SUPPORTED_DTYPES:
-        return f"dtype {a.hidden.dtype} (supported: bfloat16, float16, float32)"
+        return common.dtype_fallback(jnp.dtype(a.hidden.dtype).name)
     platform = jax.default_backend()
     registered_platforms()
     if platform == "cpu" and has_platform("cpu"):
@@ -136,9 +123,9 @@ def _shard_targets(a: Args, v_local: int):
     ignored = t == a.ignore_index
     valid = ~ignored & (t >= 0) & (t < a.real_vocab)
     local = valid & (t >= a.vocab_start) & (t < a.vocab_start + v_local)
-    invalid_code = -1 if a.ignore_index != -1 else -2
     return jnp.where(local, t - a.vocab_start,
-                     jnp.where(valid, v_local, jnp.where(ignored, a.ignore_index, invalid_code))).astype(jnp.int32)
+                     jnp.where(valid, v_local,
+                               jnp.where(ignored, a.ignore_index, common.invalid_id(a.ignore_index)))).astype(jnp.int32)
 
 
 @jax.custom_jvp

@@ -28,11 +28,6 @@ def score_sampled(hidden, weight, sampled_ids, *, temperature=1.0, bias=None, ax
     for the same rows and options. No gradient flows through it (lax.stop_gradient)."""
     a = parse(hidden, weight, sampled_ids, bias=bias, temperature=temperature, ignore_index=PAD_ID,
               vocab_start=vocab_start, real_vocab_size=real_vocab_size, axis_name=axis_name)
-    if len(a.out_shape) != 1:
-        raise ValueError(f"hidden must be [n, H] and sampled_ids [n] (one row per sequence of the decode batch), "
-                         f"got hidden {tuple(hidden.shape)}")
-    reason = _unsupported(a)
-    if reason is not None:
-        raise RuntimeError(f"rlk_xla.rollout.score_sampled needs the fused kernels (the trainer's bits): {reason}")
+    common.check_decode_batch(a.out_shape, hidden.shape, _unsupported(a), "rlk_xla.rollout.score_sampled")
     logp, ent = lax.stop_gradient(fused_rows(a, return_entropy, differentiable=False))
     return (logp, ent) if return_entropy else logp

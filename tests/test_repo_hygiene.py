@@ -28,3 +28,11 @@ def test_no_tracked_file_points_outside_the_repository():
             hits += [f"{path.relative_to(ROOT)}:{lineno}: {word!r}: {line.strip()[:100]}"
                      for word in FORBIDDEN if word in line]
     assert not hits, "files that point outside the repository (cite docs/design.md §N instead):\n" + "\n".join(hits)
+
+
+def test_no_raw_run_logs_are_tracked():
+    """Measurement records live in docs/ as dated tables with their command (docs/benchmarks.md);
+    raw logs stay out of the tree (git history keeps the old ones)."""
+    logs = [str(p.relative_to(ROOT)) for p in tracked_files()
+            if p.suffix == ".log" or "results" in p.relative_to(ROOT).parts]
+    assert not logs, logs

@@ -18,7 +18,7 @@ from rlk_common import BACKWARDS, DEFAULT_BACKWARD_MEMORY_BUDGET  # noqa: F401  
 from ._core import core
 
 F32 = torch.float32
-SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+SUPPORTED_DTYPES = tuple(getattr(torch, name) for name in common.KERNEL_DTYPES)
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -49,8 +49,7 @@ class Args:
 
     @property
     def chunk(self) -> int:
-        """Canonical chunk of the global vocab when the shard holds whole canonical chunks, else
-        the shard is one chunk (works, without the bitwise TP-invariance promise)."""
+        """The chunk this shard is reduced in (rlk_common.shard_chunk)."""
         return chunk_of(self.v_global, self.weight.shape[0])
 
 
@@ -67,8 +66,7 @@ def canonical_chunk(vocab_global: int) -> int:
 
 
 def chunk_of(v_global: int, v_local: int) -> int:
-    c = canonical_chunk(int(v_global))
-    return c if v_local % c == 0 else int(v_local)
+    return common.shard_chunk(canonical_chunk(int(v_global)), int(v_local))
 
 
 def _tensor(x, name):
@@ -201,14 +199,13 @@ def validate_targets(targets, vocab_size: int, ignore_index: int = -100) -> None
         idx = torch.nonzero(bad).reshape(-1)
         i = int(idx[0])
         value = int(s[i]) % 2 ** 64 if t.dtype == torch.uint64 else int(s[i])
-        raise ValueError(f"targets[{i}] = {value} is outside [0, {vocab_size}) and is not "
-                         f"ignore_index={ignore_index} ({idx.numel()} bad ids in all)")
+        raise common.bad_targets(i, value, vocab_size, ignore_index, idx.numel())
 
 
 def unsupported(hidden: torch.Tensor) -> str | None:
     """Why the fused kernels cannot take tensors like `hidden` (the fallback reason), or None."""
     if hidden.dtype not in SUPPORTED_DTYPES:
-        return f"dtype {dtype_name(hidden.dtype)} (supported: bfloat16, float16, float32)"
+        return common.dtype_fallback(dtype_name(hidden.dtype))
     dev = hidden.device.type
     if dev == "cpu":
         return None
@@ -234,9 +231,6 @@ def _kept_row_bytes(v_local: int, chunk: int, dtype: str, device: str) -> int:
 
 def resolve_backward(backward: str, n: int, v_local: int, chunk: int, dtype: torch.dtype, device: torch.device,
                      budget=None) -> str:
-    """The backward strategy of one call, "fast" or "lean" (rlk_common.resolve_backward).
-    fast: the forward also writes what the backward needs of this shard's logits (the kept
-    buffer, kept_bytes) and the backward reads it instead of recomputing the logits; lean: the
-    backward recomputes them chunk by chunk (small workspace). auto: fast when kept_bytes <= the
-    budget (bytes; None: env RLK_BACKWARD_MEMORY_BUDGET, else 4 GiB), else lean."""
+    """The backward strategy of one call, "fast" or "lean": rlk_common.resolve_backward over this
+    call's kept_bytes."""
     return common.resolve_backward(backward, kept_bytes(n, v_local, chunk, dtype, device), budget)

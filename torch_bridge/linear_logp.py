@@ -42,18 +42,14 @@ def linear_logp(hidden, weight, targets, *, bias=None, temperature=1.0, ignore_i
     this rank's shard of V_local rows, vocab_start defaults to rank * V_local, real_vocab_size to
     the padded global vocab V_local * world_size. dH is all-reduced over the group unless
     reduce_grad_hidden=False (for callers whose column-parallel region already reduces it).
-    mode: "auto" (default, env RLK_MODE): the kernels, or the reference with the fallback and its
-    reason counted when this build cannot take the call; "strict": the kernels or RuntimeError;
-    "off": the reference (materialized logits); "audit": runs both, returns the kernels' result
-    (and gradients) and records per call, in route_stats()["audit"], how many rows' logp equal
-    the reference's bit for bit and the mean and max |logp - reference logp|.
-    backward: how the fused backward gets the logits. "lean" recomputes them chunk by chunk (small
-    workspace); "fast" has the forward keep what the backward needs of this shard's logits (about
-    n * V_local * 2 bytes for bf16/fp16 inputs, 4 for fp32; _args.kept_bytes) until the backward,
-    which reads it instead (on CUDA it overwrites it: one backward per forward, retain_graph=True
-    and a second backward raise);
-    "auto" (default) is fast when those bytes fit backward_memory_budget (bytes; None: env
-    RLK_BACKWARD_MEMORY_BUDGET, else 4 GiB), else lean. Nothing is kept when no gradient is needed.
+    mode: one of MODES, default env RLK_MODE, else "auto"; what each runs, raises and counts (in
+    route_stats()) is rlk_common.route_call's docstring. "audit" runs in eager calls only (it
+    compares on the host: RuntimeError inside torch.compile).
+    backward: the gradient's strategy, "auto" (default), "fast" or "lean", with
+    backward_memory_budget (bytes) the budget of auto: rlk_common.resolve_backward's docstring.
+    fast's kept buffer serves one backward (CUDA overwrites it): a second backward through the
+    same forward (retain_graph=True) raises; pass "lean" for that. Nothing is kept when no
+    gradient is needed.
     """
     mode = routes.resolve_mode(mode)
     return_entropy = common.check_flag("return_entropy", return_entropy)
@@ -68,26 +64,19 @@ def linear_logp(hidden, weight, targets, *, bias=None, temperature=1.0, ignore_i
                            "audit in an eager call")
     if validate_targets and eager and not _capturing(a.hidden):
         _validate_targets(targets, a.real_vocab, ignore_index)
-    n = a.n
-    reason = unsupported(a.hidden)
-    if n == 0 or mode == "off":
-        if n:
-            a.targets = routes.count_reference(a.targets, None)
-        logp, ent = reference.rows(a, return_entropy, reduce_grad_hidden)
-    elif reason is not None:
-        if mode == "strict":
-            raise RuntimeError(f"torch_bridge.linear_logp(mode='strict'): the fused kernels cannot run this call: "
-                               f"{reason}")
-        a.targets = routes.count_reference(a.targets, reason)
-        logp, ent = reference.rows(a, return_entropy, reduce_grad_hidden)
-    else:
+    route = common.route_call(mode, a.n, unsupported(a.hidden), "torch_bridge.linear_logp")
+    if route.fused:
         logp, ent = fused_rows(a, return_entropy, reduce_grad_hidden, keep_logits)
         if eager:
             routes.note_backend(a.hidden.device.type)
-        if mode == "audit":
+        if route.audit:
             with torch.no_grad():
                 ref_logp, _ = reference.rows(a, False, reduce_grad_hidden)
             routes.record_audit(logp, ref_logp)
+    else:
+        if route.counted:
+            a.targets = routes.count_reference(a.targets, route.reason)
+        logp, ent = reference.rows(a, return_entropy, reduce_grad_hidden)
     logp = logp.reshape(a.out_shape)
     return (logp, ent.reshape(a.out_shape)) if return_entropy else logp
 

@@ -129,12 +129,7 @@ def score_sampled(hidden, weight, sampled_ids, *, temperature=1.0, bias=None, tp
     PAD_ID give NaN rows, and int64 ids must fit in int32.
     """
     ts = check_tensors(hidden, weight, sampled_ids, bias)
-    if len(ts) != 1:
-        raise ValueError(f"hidden must be [n, H] and sampled_ids [n] (one row per sequence of the decode batch), "
-                         f"got hidden {tuple(hidden.shape)}")
-    reason = unsupported(hidden)
-    if reason is not None:
-        raise RuntimeError(f"torch_bridge.rollout.score_sampled needs the fused kernels (the trainer's bits): {reason}")
+    common.check_decode_batch(ts, hidden.shape, unsupported(hidden), "torch_bridge.rollout.score_sampled")
     scalar = check_temperature(temperature, ts, hidden)
     tp, _, v_start = tp_layout(tp_group, weight.shape[0], vocab_start)
     real = common.real_vocab(real_vocab_size, weight.shape[0] * tp)
