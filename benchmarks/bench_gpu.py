@@ -155,8 +155,8 @@ def torch_paths():
 
 def bench_ms(fn):
     """do_bench's median over at least 10 timed calls. Its rep is a time (150 ms by default), so a
-    95 ms step (L16k) was timed by one call: in four runs of 2026-12-01 the first torch_bridge
-    fast sample at L16k took 107 to 110 ms and each later one 92 to 96."""
+    95 ms step (L16k) was timed by one call, and the first call of a path is slower than the
+    later ones (cuBLASLt's tuning, allocator growth)."""
     fn()
     torch.cuda.synchronize()
     t0 = time.perf_counter()

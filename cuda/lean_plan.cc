@@ -81,9 +81,8 @@ LeanLayout one_sweep_layout(const Problem& p, bool fused, DType dh_dtype) {
 // Row sweeps of dH. The tiles take the least room that keeps one row pass with pieces of
 // kLeanMinPiece columns: most pieces then borrow dW's rows and dW needs no fp32 accumulator.
 // Smaller tiles would leave more dH rows to the first sweep but cost far more than the rows'
-// recompute: at L32k (2026-11-30), 32 MiB of tiles (29 row passes of 1792-column pieces beside a
-// dW accumulator, nothing borrowed) took 530 ms, one pass in 96 MiB 285 ms, and one sweep in
-// 430 MB 257 ms. Where one pass does not fit (n past about 120k rows at bf16), the tiles take half
+// recompute (L32k: many row passes of small pieces took twice one pass's time; docs/benchmarks.md
+// §3). Where one pass does not fit (n past about 120k rows at bf16), the tiles take half
 // the budget in several passes. The workspace's dH rows take what is left (no more than dhidden
 // cannot hold), in whole 128-row blocks: every sweep's fp32 rows inside dhidden then start
 // 256-byte aligned.

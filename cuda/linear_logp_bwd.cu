@@ -110,7 +110,7 @@ __device__ __forceinline__ GroupScale group_scale(const float* group_max, int64_
   return {__expf(d - log_s), d};
 }
 // Where a thread's vector of columns lies in the kept record's groups (KeptLayout): chunk c, offset
-// off in it. Advanced by additions only (a 64-bit division per vector cost 6% of fast's T3).
+// off in it. Advanced by additions only: a 64-bit division per vector slowed the pass (docs/benchmarks.md §5).
 struct ChunkPos {
   int64_t c, off;
   __device__ __forceinline__ void advance(int64_t cols, int64_t chunk) {
@@ -150,7 +150,7 @@ __device__ float kept_dzz(const DlogitParams& q, const float* head, int64_t t, f
 // per element is close to that: the checks go per vector (only the row's last vectors hold
 // padding), the target is one small-int compare, and p = __expf(zm - log_s) (ex2.approx, a few ulp:
 // the result is rounded to 16 bits; the sm90 epilogue's form). Four vectors in flight per thread
-// instead of one gained nothing (same-machine A/B, 2026-11-30: fast T3 10.70 vs 10.52 ms).
+// instead of one gained nothing (docs/benchmarks.md §5).
 template <typename ZT, typename T>
 __global__ void __launch_bounds__(kRowThreads) dlogit_kernel(DlogitParams q) {
   __shared__ float red[kRowThreads];
