@@ -116,7 +116,7 @@ const char* ensure_encode() {
 
 // A row-major 2-D tensor of 2-byte elements: `outer` rows of `inner` elements, row stride ld
 // elements, moved in boxes of box_inner x box_outer with the 128-byte swizzle. The operands are
-// K-major (inner = K, box_inner = kBK); the kept logits are [rows, v] (box 64 x 64).
+// K-major (inner = K, box_inner = kBK); the kept record's q is [rows, v] (box 64 x 64).
 bool make_map(CUtensorMap* m, CUtensorMapDataType type, const void* ptr, int64_t inner, int64_t outer, int64_t ld,
               uint32_t box_inner, uint32_t box_outer) {
   const cuuint64_t dims[2] = {cuuint64_t(inner), cuuint64_t(outer)};
