@@ -92,7 +92,7 @@ def header(meta):
           ["Commands (the shapes split over GPUs or calls):"] +
           [f"- `{run['command']}` ({run['date']}, {run['gpu']})" for run in meta["runs"]]), "",
         "- **Paths:** `rlk_xla_*` (JAX) and `torch_bridge_*` (PyTorch) are this project's fused op with "
-        "`backward=\"fast\"` (keeps the fp16 logits of the forward) or `backward=\"lean\"` (recomputes them chunk "
+        "`backward=\"fast\"` (keeps a record of the forward's logits, docs/design.md §5) or `backward=\"lean\"` (recomputes them chunk "
         "by chunk); fast and lean share one forward, measured once. Peers: `jax_ref` (materialized logits), "
         "`jax_chunked` (lax.map + remat), `tokamax`, `torch_native` (materialized logits), `liger` (Liger FLCE), "
         "`cce` (Cut Cross-Entropy, exact). The route of rlk_xla is in brackets.",
