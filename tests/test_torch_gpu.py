@@ -98,7 +98,7 @@ def test_fast_backward_consumes_the_kept_logits_cuda():
     """On CUDA the fast backward overwrites the kept logits (with dlogit): one backward per forward."""
     d, kw, g, e = make_inputs(5, 30, 64, 512, "bfloat16", bias=True, temp="array", device=CUDA)
     h, w, b, t, T = d["hidden"], d["weight"], kw["bias"].float(), d["targets"].int(), kw["temperature"]
-    logp, ent, m, log_s, logits = torch.ops.rlk.linear_logp(h, w, b, t, T, 512, 64, -100, True, True)
+    logp, ent, m, log_s, logits, _ = torch.ops.rlk.linear_logp(h, w, b, t, T, 512, 64, -100, True, True)
     before = logits.clone()
     torch.ops.rlk.linear_logp_backward(h, w, b, t, T, m, log_s, ent, g, e, logits, 0, 512, 64, -100, False)
     assert not torch.equal(logits, before)
