@@ -551,6 +551,19 @@ void kept_dzz(const Problem& p, const BwdArgs& a, int64_t blk, const RowBlock& r
     }
 }
 
+// dT needs sum_j dz_j z_j = sum_j dz_j (z_j - m) + m sum_j dz_j. sum_j dz_j = 0 (the nucleus's p
+// sums to 1 over the shards) unless the target is outside the nucleus: then it is -g, added here by
+// the target's shard.
+void outside_nucleus_dzz(const Problem& p, const BwdArgs& a, int64_t blk, const RowBlock& rb, f32x16* dzz) {
+  const int64_t real_end = std::clamp<int64_t>(p.real_vocab - p.vocab_start, 0, p.v);
+  for (int rv = 0; rv < kRowVecs; ++rv)
+    for (int l = 0; l < kLanes; ++l) {
+      const int64_t r = blk * kBlock + rv * kLanes + l, t = rb.target[rv][l] - p.vocab_start;
+      if (rb.active[rv][l] > 0.f && t >= 0 && t < real_end && !a.keep[r * p.v + t])
+        dzz[rv][l] -= rb.g[rv][l] * rb.m[rv][l];
+    }
+}
+
 struct BwdScratch {
   WeightTile w;
   std::vector<float> t, kt, dh;  // pass 1 (kt: the nucleus tile, with BwdArgs::keep; pass 2 too)
@@ -605,6 +618,7 @@ void dhidden_unit(const Problem& p, const BwdArgs& a, const Panels& ap, int64_t 
           s.dh[r * p.h + k] = acc;
         }
     }
+  if (a.keep) outside_nucleus_dzz(p, a, blk, rb, dzz);
   for (int64_t i = 0; i < kBlock; ++i) {
     const int64_t r = blk * kBlock + i;
     if (r >= p.n) break;
