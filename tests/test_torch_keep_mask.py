@@ -132,6 +132,16 @@ def test_nucleus_edge_cases(dtype, backward):
     assert torch.isnan(grads["hidden"][2]).all() and torch.isfinite(grads["hidden"][[0, 1, 3]]).all()
     assert torch.isfinite(logp[[0, 3, 4]]).all()
 
+    # a nucleus whose kept logits all underflow against the row max (the target kept, > 87 nats
+    # below it): NaN, not the +inf - clamped to 0 - that its empty sum would give
+    far = keep.clone()
+    far[3] = False
+    far[3, t[3]] = True
+    kw_far = dict(kw, bias=kw["bias"].clone())
+    kw_far["bias"][t[3]] = -1000.0
+    logp, ent, grads = run(d, kw_far, g, e, far, backward)
+    assert torch.isnan(logp[3]) and torch.isfinite(ent[3]) and torch.isnan(grads["hidden"][3]).all()
+
     d["hidden"] = d["hidden"].clone()
     d["hidden"][4, 3] = float("nan")
     logp, ent, _ = run(d, kw, g, e, keep, backward)

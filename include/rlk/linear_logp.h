@@ -126,12 +126,14 @@ struct RowResult { float logp, entropy, m, log_s, log_s_keep; };
 
 // log sum_c exp(m_c - m) keep_sum_c over the k chunks in order: the row's kept sum relative to its
 // max m, from each chunk's kept sum relative to the chunk's max m_c (a chunk of only padding has
-// m_c = -inf and adds nothing; a NaN keeps the result NaN).
+// m_c = -inf and adds nothing; a NaN keeps the result NaN). A kept sum of 0 (an empty nucleus, or
+// every kept logit underflowing against m) gives NaN, not -inf: a logp formed from it would be
+// +inf, clamped to a plausible 0.
 RLK_HD float log_keep_sum(const float* stats, const float* keep_sum, int64_t k, float m) {
   float s = 0.f;
   for (int64_t c = 0; c < k; ++c)
     if (keep_sum[c] != 0.f) s += expf(stats[c * kStatWidth] - m) * keep_sum[c];
-  return logf(s);
+  return s == 0.f ? NAN : logf(s);
 }
 
 // Combine k chunk statistics of one row (stats: k * kStatWidth floats, chunk order) and the
