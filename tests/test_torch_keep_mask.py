@@ -2,8 +2,8 @@
 whole distribution, and the gradients of both (hidden, weight, bias, temperature), against float64
 at odd shapes for bf16 and fp32 with the lean and the fast backward; the edge cases (a target outside
 its nucleus, an empty nucleus, NaN inputs); bits that do not depend on the row split or on the
-mask for what the mask must not change; the CUDA kernels' refusal. TP 2 and 4: test_torch_tp.py;
-the vime provider: test_torch_vime.py."""
+mask for what the mask must not change; torch.compile(fullgraph=True); the CUDA kernels' refusal.
+TP 2 and 4: test_torch_tp.py; the vime provider: test_torch_vime.py."""
 import pytest
 
 pytest.importorskip("torch", reason="torch is not installed: these tests need it")
@@ -169,3 +169,21 @@ def test_cuda_kernels_refuse_a_nucleus(device):
     keep = torch.ones(8, 256, dtype=torch.bool, device=device)
     with pytest.raises(RuntimeError, match="keep mask not supported yet"):
         torch_bridge.linear_logp(d["hidden"], d["weight"], d["targets"], keep_mask=keep, mode="strict")
+
+
+def test_torch_compile_fullgraph_with_a_nucleus():
+    torch._dynamo.reset()
+    d, kw, g, e = make_inputs(4, 37, 32, 500, "bfloat16", bias=True, temp="array", ignore_frac=0.2)
+    keep = nucleus(d, kw)
+
+    def f(h, w, b, t, keep):
+        logp, ent = torch_bridge.linear_logp(h, w, t, bias=b, temperature=kw["temperature"], keep_mask=keep,
+                                             return_entropy=True, backward="fast")
+        return (logp * g).sum() + (ent * e).sum(), logp, ent
+
+    outs = []
+    for fn in (f, torch.compile(f, fullgraph=True)):
+        leaves = [x.detach().clone().requires_grad_() for x in (d["hidden"], d["weight"], kw["bias"])]
+        loss, logp, ent = fn(*leaves, d["targets"], keep)
+        outs.append([logp, ent, *torch.autograd.grad(loss, leaves)])
+    assert all(torch.equal(a, b) for a, b in zip(*outs))
