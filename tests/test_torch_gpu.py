@@ -173,6 +173,14 @@ def test_vime_provider_cuda_routes_and_row_chunks():
     z = logits.double().masked_fill(~keep, float("-inf"))
     want = torch.log_softmax(z, -1).gather(1, d["targets"][:, None])
     assert float((runs[0].logp.double() - want).abs().max()) <= 2e-5 * (1 + float(want.abs().max()))
+    # the CUDA kernels take no keep mask yet: a masked request with the context too takes the logits
+    # route; with only the context it is unavailable (vime's auto then runs its native path)
+    both = vime.provider(vime_side.request(d["targets"], hidden=d["hidden"], weight=d["weight"], temperature=T,
+                                           logits=logits, keep_mask=keep), "strict")
+    assert both.backend_id == "rlk.logits.cuda" and "keep mask" in both.provenance["route_reason"]
+    with pytest.raises(vime.ProviderUnavailable, match="keep mask"):
+        vime.provider(vime_side.request(d["targets"], hidden=d["hidden"], weight=d["weight"], temperature=T,
+                                        keep_mask=keep))
 
 
 def test_vime_provider_captures_in_a_cuda_graph():
