@@ -196,6 +196,7 @@ WeightTile weight_tile(const Problem& p) {
 // Per-row data of one row block, as vectors of rows.
 struct RowBlock {
   f32x16 inv_temp[kRowVecs], m[kRowVecs], log_s[kRowVecs], c[kRowVecs], g[kRowVecs], e[kRowVecs];  // c = log_s - ent
+  f32x16 log_s_keep[kRowVecs];  // the nucleus's (BwdArgs::keep)
   i32x16 target[kRowVecs];
   f32x16 active[kRowVecs];  // 1 for rows that get gradient, else 0
 };
@@ -209,22 +210,34 @@ void scale_tile(float* t, const float* bias_f, int64_t valid, const f32x16* inv_
     }
 }
 
+// The nucleus of rows r0.. at columns [v0, v0 + valid) as a tile K[j][r] of 1 (kept) and 0 (not
+// kept, and rows past n).
+void keep_tile(const Problem& p, const uint8_t* keep, int64_t r0, int64_t v0, int64_t valid, float* kt) {
+  for (int64_t r = 0; r < kBlock; ++r) {
+    const uint8_t* row = r0 + r < p.n ? keep + (r0 + r) * p.v + v0 : nullptr;
+    for (int64_t j = 0; j < valid; ++j) kt[j * kBlock + r] = row && row[j] ? 1.f : 0.f;
+  }
+}
+
 // ---- the kept buffer (FwdArgs::logits, the fast backward's input; kept_bytes) --------------------
 // fp32 operands: z [n, v] fp32, as the forward computed it (what lean recomputes, bit for bit).
 // 16-bit operands, one record per row (row_bytes):
-//   float moments[chunks][4]   the chunk's (m, s, a, b), b = sum_j exp(z_j - m) (z_j - m)^2
+//   float moments[chunks][6]   the chunk's (m, s, a, b, s_keep, a_keep), b = sum_j exp(z_j - m)
+//                              (z_j - m)^2, s_keep and a_keep the sums of s and a over the nucleus
+//                              (FwdArgs::keep; 0 without)
 //   float tile_max[chunks * tiles_per_chunk]   mt: the running row max after each tile
 //   float z_target             the forward's target_logit
 //   fp16  q[v (even)]          q_j = exp(z_j - mt) of the column's tile, in [0, 1]
 // so p_j = q_j exp((mt - m) - log_s) has fp16's uniform relative error at every |z|, and dT, an
 // fp32 output, comes from the fp32 moments (see kept_dzz) instead of from q.
+constexpr int64_t kMoments = 6;
 struct KeptRow {
   int64_t chunks, tiles_per_chunk, floats, bytes;
   explicit KeptRow(const Problem& p)
       : chunks(num_chunks(p)), tiles_per_chunk(cdiv(p.chunk, kTileV)),
-        floats(chunks * 4 + chunks * tiles_per_chunk + 1), bytes(floats * 4 + 2 * (p.v + p.v % 2)) {}
+        floats(chunks * kMoments + chunks * tiles_per_chunk + 1), bytes(floats * 4 + 2 * (p.v + p.v % 2)) {}
   float* moments(void* kept, int64_t r) const { return reinterpret_cast<float*>(static_cast<char*>(kept) + r * bytes); }
-  float* tile_max(void* kept, int64_t r) const { return moments(kept, r) + chunks * 4; }
+  float* tile_max(void* kept, int64_t r) const { return moments(kept, r) + chunks * kMoments; }
   float* z_target(void* kept, int64_t r) const { return tile_max(kept, r) + chunks * tiles_per_chunk; }
   uint16_t* q(void* kept, int64_t r) const {
     return reinterpret_cast<uint16_t*>(static_cast<char*>(kept) + r * bytes + floats * 4);
@@ -283,7 +296,7 @@ void load_kept(const Problem& p, const void* kept, int64_t r0, int64_t v0, int64
 
 struct FwdScratch {
   WeightTile w;
-  std::vector<float> t;
+  std::vector<float> t, kt;  // logits, nucleus (FwdArgs::keep)
 };
 
 void forward_unit(const Problem& p, const FwdArgs& a, const Panels& ap, int64_t blk, int64_t c,
@@ -291,7 +304,8 @@ void forward_unit(const Problem& p, const FwdArgs& a, const Panels& ap, int64_t 
   const int64_t r0 = blk * kBlock;
   const bool keep_q = a.logits && !kept_f32(p);  // the 16-bit kept record: q, tile maxima, moments
   const KeptRow row(p);
-  f32x16 inv_temp[kRowVecs], m[kRowVecs], sum[kRowVecs], acc_a[kRowVecs], acc_b[kRowVecs];
+  // sk, ak: s and a over the nucleus (with a.keep; ak only for the kept record)
+  f32x16 inv_temp[kRowVecs], m[kRowVecs], sum[kRowVecs], acc_a[kRowVecs], acc_b[kRowVecs], sk[kRowVecs], ak[kRowVecs];
   for (int rv = 0; rv < kRowVecs; ++rv) {
     float tmp[kLanes];
     for (int l = 0; l < kLanes; ++l) {
@@ -300,7 +314,7 @@ void forward_unit(const Problem& p, const FwdArgs& a, const Panels& ap, int64_t 
     }
     inv_temp[rv] = load16(tmp);
     m[rv] = splat(-INFINITY);
-    sum[rv] = acc_a[rv] = acc_b[rv] = splat(0.f);
+    sum[rv] = acc_a[rv] = acc_b[rv] = sk[rv] = ak[rv] = splat(0.f);
   }
   const int64_t c0 = c * p.chunk, c1 = c0 + p.chunk;
   // Columns at or past `real_end` are padding.
@@ -311,12 +325,13 @@ void forward_unit(const Problem& p, const FwdArgs& a, const Panels& ap, int64_t 
     tile_logits(p, ap, s.w, blk, s.t.data());
     scale_tile(s.t.data(), p.has_bias ? a.bias + v0 : nullptr, valid, inv_temp);
     if (a.logits && !keep_q) store_kept(p, a.logits, r0, v0, valid, s.t.data());
+    if (a.keep) keep_tile(p, a.keep, r0, v0, valid, s.kt.data());
     for (int rv = 0; rv < kRowVecs; ++rv) {
       // The tile's sums from zero (few roundings at the row's scale), relative to the new max mt.
       // A NaN logit makes its sums NaN; a logit of -inf counts as probability 0.
       f32x16 mt = m[rv];
       for (int64_t j = 0; j < valid; ++j) mt = vmax(mt, load16(s.t.data() + j * kBlock + rv * kLanes));
-      f32x16 ts = splat(0.f), ta = splat(0.f), tb = splat(0.f);
+      f32x16 ts = splat(0.f), ta = splat(0.f), tb = splat(0.f), tsk = splat(0.f), tak = splat(0.f);
       for (int64_t j = 0; j < valid; ++j) {
         float* zp = s.t.data() + j * kBlock + rv * kLanes;
         const f32x16 z = load16(zp);
@@ -326,6 +341,11 @@ void forward_unit(const Problem& p, const FwdArgs& a, const Panels& ap, int64_t 
         ts += ez;
         ta += ez * tz;
         tb += ez * tz * tz;  // also without keep_q: the same arithmetic, so the same bits, either way
+        if (a.keep) {
+          const i32x16 kept = load16(s.kt.data() + j * kBlock + rv * kLanes) != 0.f;
+          tsk += kept ? ez : splat(0.f);
+          tak += kept ? ez * tz : splat(0.f);
+        }
         if (keep_q) store16(zp, ez);
       }
       // Fold the tile into the running sums, rescaled to mt (selects, not products: d is NaN
@@ -333,6 +353,8 @@ void forward_unit(const Problem& p, const FwdArgs& a, const Panels& ap, int64_t 
       const f32x16 d = m[rv] - mt;
       const f32x16 alpha = vexp(d);
       const i32x16 has = sum[rv] != 0.f;
+      ak[rv] = has ? alpha * (ak[rv] + d * sk[rv]) + tak : tak;
+      sk[rv] = has ? alpha * sk[rv] + tsk : tsk;
       acc_b[rv] = has ? alpha * (acc_b[rv] + d * (2.f * acc_a[rv] + d * sum[rv])) + tb : tb;
       acc_a[rv] = has ? alpha * (acc_a[rv] + d * sum[rv]) + ta : ta;
       sum[rv] = has ? alpha * sum[rv] + ts : ts;
@@ -353,9 +375,11 @@ void forward_unit(const Problem& p, const FwdArgs& a, const Panels& ap, int64_t 
       st[0] = m[rv][l];
       st[1] = sum[rv][l];
       st[2] = p.with_entropy ? acc_a[rv][l] : 0.f;
+      if (a.keep) a.keep_sum[r * k + c] = sk[rv][l];
       if (keep_q) {
-        float* mom = row.moments(a.logits, r) + c * 4;
+        float* mom = row.moments(a.logits, r) + c * kMoments;
         mom[0] = m[rv][l], mom[1] = sum[rv][l], mom[2] = acc_a[rv][l], mom[3] = acc_b[rv][l];
+        mom[4] = sk[rv][l], mom[5] = ak[rv][l];
       }
     }
 }
@@ -385,6 +409,10 @@ void target_logits(const Problem& p, const FwdArgs& a) {
         a.target_logit[r] = 0.f;
         continue;
       }
+      if (a.keep && !a.keep[r * p.v + (t - p.vocab_start)]) {  // outside the nucleus: probability 0
+        a.target_logit[r] = -INFINITY;
+        continue;
+      }
       const float acc = target_dot(p, a, r, t - p.vocab_start, hrow.data(), wrow.data());
       const float b = p.has_bias ? a.bias[t - p.vocab_start] : 0.f;
       a.target_logit[r] = (acc + b) * reciprocal(a.temperature[r]);
@@ -405,11 +433,14 @@ void load_row_block(const Problem& p, const BwdArgs& a, int64_t blk, RowBlock& r
       const bool in = r < p.n;
       const int64_t t = in ? a.targets[r] : p.ignore_index;
       const bool act = in && classify_target(t, p.real_vocab, p.ignore_index) == TargetKind::kValid;
-      // A row with non-finite statistics (a NaN row) gets NaN in every column, -inf logits too.
-      const bool nan_row = act && !(std::isfinite(a.m[r]) && std::isfinite(a.log_s[r]));
+      // A row with non-finite statistics (a NaN row; with a nucleus, also an empty one) gets NaN in
+      // every column, -inf logits too.
+      const bool nan_row = act && !(std::isfinite(a.m[r]) && std::isfinite(a.log_s[r]) &&
+                                    (!a.keep || std::isfinite(a.log_s_keep[r])));
       rb.inv_temp[rv][l] = in ? reciprocal(a.temperature[r]) : 1.f;
       rb.m[rv][l] = act ? a.m[r] : 0.f;
       rb.log_s[rv][l] = act ? a.log_s[r] : 0.f;
+      rb.log_s_keep[rv][l] = act && a.keep ? a.log_s_keep[r] : 0.f;
       rb.c[rv][l] = act && a.entropy ? a.log_s[r] - a.entropy[r] : 0.f;
       rb.g[rv][l] = nan_row ? NAN : act ? a.g[r] : 0.f;
       rb.e[rv][l] = act && a.e ? a.e[r] : 0.f;
@@ -419,16 +450,18 @@ void load_row_block(const Problem& p, const BwdArgs& a, int64_t blk, RowBlock& r
 }
 
 // What a backward tile holds: z (lean; fast with fp32 operands), or q of the 16-bit kept record
-// with, per row, d = mt - m and w = exp(d - log_s) (p = q w, z - m = log q + d).
+// with, per row, d = mt - m, w = exp(d - log_s) and wk = exp(d - log_s_keep) (p = q w, the
+// nucleus's p = q wk, z - m = log q + d).
 struct TileKind {
   bool q = false;
-  f32x16 d[kRowVecs], w[kRowVecs];
+  f32x16 d[kRowVecs], w[kRowVecs], wk[kRowVecs];
 };
 
 // In place: z (or q) tile -> dlogit tile (dz * inv_temp); padded vocab rows and inactive rows give
-// 0. dzz (may be null) accumulates dz * (z - m) per row in vocab order (z tiles only).
+// 0. kt: the nucleus tile (keep_tile) or null. dzz (may be null) accumulates dz * (z - m) per row
+// in vocab order (z tiles only).
 void dlogit_tile(float* t, int64_t gid0, int64_t valid, const RowBlock& rb, const TileKind& kind, bool entropy,
-                 f32x16* dzz) {
+                 const float* kt, f32x16* dzz) {
   for (int64_t j = 0; j < kTileV; ++j)
     for (int rv = 0; rv < kRowVecs; ++rv) {
       float* zp = t + j * kBlock + rv * kLanes;
@@ -448,8 +481,13 @@ void dlogit_tile(float* t, int64_t gid0, int64_t valid, const RowBlock& rb, cons
         zm = live ? x - rb.m[rv] : splat(0.f);
         pr = live ? vexp(zm - rb.log_s[rv]) : splat(0.f);
       }
-      const f32x16 delta = rb.target[rv] == int32_t(gid0 + j) ? splat(1.f) : splat(0.f);
-      const f32x16 dz = rb.active[rv] > 0.f ? rb.g[rv] * (delta - pr) + rb.e[rv] * (live ? pr * (rb.c[rv] - zm) : splat(0.f))
+      f32x16 delta = rb.target[rv] == int32_t(gid0 + j) ? splat(1.f) : splat(0.f), pk = pr;  // the logp term's p
+      if (kt) {  // the nucleus: kept (delta - pk), pk = exp((z - m) - log_s_keep)
+        const i32x16 kept = load16(kt + j * kBlock + rv * kLanes) != 0.f;  // a target's q may underflow: not live
+        pk = kept & live ? (kind.q ? x * kind.wk[rv] : vexp(zm - rb.log_s_keep[rv])) : splat(0.f);
+        delta = kept ? delta : splat(0.f);
+      }
+      const f32x16 dz = rb.active[rv] > 0.f ? rb.g[rv] * (delta - pk) + rb.e[rv] * (live ? pr * (rb.c[rv] - zm) : splat(0.f))
                                             : splat(0.f);
       if (dzz) dzz[rv] += live ? dz * zm : splat(0.f);
       store16(zp, dz * rb.inv_temp[rv]);
@@ -477,11 +515,15 @@ void z_tile(const Problem& p, const BwdArgs& a, const Panels& ap, int64_t blk, i
     }
     kind.d[rv] = load16(mt) - rb.m[rv];
     kind.w[rv] = vexp(kind.d[rv] - rb.log_s[rv]);
+    kind.wk[rv] = vexp(kind.d[rv] - rb.log_s_keep[rv]);
   }
 }
 
 // sum_j dz_j (z_j - m) of this shard's columns for the rows of rb, from the 16-bit kept record's
-// fp32 chunk moments (moments_dzz) and the target, when it is a column of this shard, g (z_t - m).
+// fp32 chunk moments (m_c, s_c, a_c, b_c, sk_c, ak_c; moments_dzz) and the target, when it is a
+// column of this shard, g (z_t - m). With a nucleus the logp term sums over it: moments_dzz
+// without g, - g wk (ak_c + d sk_c) with d = m_c - m, wk = exp(d - log_s_keep), and the target
+// counts only when kept.
 void kept_dzz(const Problem& p, const BwdArgs& a, int64_t blk, const RowBlock& rb, f32x16* dzz) {
   const KeptRow row(p);
   const int64_t real_end = std::clamp<int64_t>(p.real_vocab - p.vocab_start, 0, p.v);
@@ -492,16 +534,37 @@ void kept_dzz(const Problem& p, const BwdArgs& a, int64_t blk, const RowBlock& r
       const float m = rb.m[rv][l], log_s = rb.log_s[rv][l], g = rb.g[rv][l], e = rb.e[rv][l], c = rb.c[rv][l];
       const float* mom = row.moments(a.logits, r);
       float acc = 0.f;
-      for (int64_t k = 0; k < row.chunks; ++k, mom += 4) acc += moments_dzz(mom, m, log_s, c, g, e);
+      for (int64_t k = 0; k < row.chunks; ++k, mom += kMoments) {
+        if (!a.keep) {
+          acc += moments_dzz(mom, m, log_s, c, g, e);
+          continue;
+        }
+        if (mom[1] == 0.f) continue;  // only padding
+        const float d = mom[0] - m;
+        acc += moments_dzz(mom, m, log_s, c, 0.f, e) - g * expf(d - rb.log_s_keep[rv][l]) * (mom[5] + d * mom[4]);
+      }
       const int64_t t = rb.target[rv][l] - p.vocab_start;
-      if (t >= 0 && t < real_end) acc += g * (*row.z_target(a.logits, r) - m);
+      if (t >= 0 && t < real_end && (!a.keep || a.keep[r * p.v + t])) acc += g * (*row.z_target(a.logits, r) - m);
       dzz[rv][l] = acc;
+    }
+}
+
+// dT needs sum_j dz_j z_j = sum_j dz_j (z_j - m) + m sum_j dz_j. sum_j dz_j = 0 (the nucleus's p
+// sums to 1 over the shards) unless the target is outside the nucleus: then it is -g, added here by
+// the target's shard.
+void outside_nucleus_dzz(const Problem& p, const BwdArgs& a, int64_t blk, const RowBlock& rb, f32x16* dzz) {
+  const int64_t real_end = std::clamp<int64_t>(p.real_vocab - p.vocab_start, 0, p.v);
+  for (int rv = 0; rv < kRowVecs; ++rv)
+    for (int l = 0; l < kLanes; ++l) {
+      const int64_t r = blk * kBlock + rv * kLanes + l, t = rb.target[rv][l] - p.vocab_start;
+      if (rb.active[rv][l] > 0.f && t >= 0 && t < real_end && !a.keep[r * p.v + t])
+        dzz[rv][l] -= rb.g[rv][l] * rb.m[rv][l];
     }
 }
 
 struct BwdScratch {
   WeightTile w;
-  std::vector<float> t, dh;  // pass 1
+  std::vector<float> t, kt, dh;  // pass 1 (kt: the nucleus tile, with BwdArgs::keep; pass 2 too)
   std::vector<float> dwt, dt, row;  // pass 2: dW^T [h][kTileV], dlogit^T [kBlock][kTileV], a dW row [h]
 };
 
@@ -522,7 +585,9 @@ void dhidden_unit(const Problem& p, const BwdArgs& a, const Panels& ap, int64_t 
       load_weight_tile(p, a.weight, v0, v0 + valid, s.w.wf.data());  // dH's operand
       if (!a.logits && dp_bf16(p)) load_weight_pairs(p, a.weight, v0, v0 + valid, s.w.wb.data());
       z_tile(p, a, ap, blk, v0, valid, tile, rb, s.w, s.t.data(), kind);
-      dlogit_tile(s.t.data(), p.vocab_start + v0, valid, rb, kind, p.with_entropy, kind.q ? nullptr : dzz);
+      if (a.keep) keep_tile(p, a.keep, blk * kBlock, v0, valid, s.kt.data());
+      dlogit_tile(s.t.data(), p.vocab_start + v0, valid, rb, kind, p.with_entropy, a.keep ? s.kt.data() : nullptr,
+                  kind.q ? nullptr : dzz);
       // dh[r][k] += sum_j dlogit[j][r] wf[j][k]: eight rows by two vectors of k per step.
       for (int64_t r = 0; r < kBlock; r += 8)
         for (int64_t k = 0; k + 2 * kLanes <= p.h; k += 2 * kLanes) {
@@ -551,6 +616,7 @@ void dhidden_unit(const Problem& p, const BwdArgs& a, const Panels& ap, int64_t 
           s.dh[r * p.h + k] = acc;
         }
     }
+  if (a.keep) outside_nucleus_dzz(p, a, blk, rb, dzz);
   for (int64_t i = 0; i < kBlock; ++i) {
     const int64_t r = blk * kBlock + i;
     if (r >= p.n) break;
@@ -578,7 +644,9 @@ void dweight_unit(const Problem& p, const BwdArgs& a, const Panels& ap, int64_t 
     for (int64_t blk = 0; blk < cdiv(p.n, kBlock); ++blk) {
       load_row_block(p, a, blk, rb);
       z_tile(p, a, ap, blk, v0, valid, tile, rb, s.w, s.t.data(), kind);
-      dlogit_tile(s.t.data(), p.vocab_start + v0, valid, rb, kind, p.with_entropy, nullptr);
+      if (a.keep) keep_tile(p, a.keep, blk * kBlock, v0, valid, s.kt.data());
+      dlogit_tile(s.t.data(), p.vocab_start + v0, valid, rb, kind, p.with_entropy, a.keep ? s.kt.data() : nullptr,
+                  nullptr);
       for (int64_t j = 0; j < kTileV; ++j)
         for (int64_t r = 0; r < kBlock; ++r) {
           dt[r * kTileV + j] = s.t[j * kBlock + r];
@@ -619,6 +687,7 @@ void dweight_unit(const Problem& p, const BwdArgs& a, const Panels& ap, int64_t 
 
 Status forward(const Problem& p, const FwdArgs& a) {
   if (p.chunk <= 0 || p.v % p.chunk != 0) return "rlk cpu forward: chunk must divide the local vocab";
+  if (a.keep && !a.keep_sum) return "rlk cpu forward: a keep mask needs keep_sum";
   if (p.n == 0) return nullptr;
   Panels ap;
   if (dp_bf16(p)) ap.pairs = pack_hidden_pairs(p, a.hidden);
@@ -629,6 +698,7 @@ Status forward(const Problem& p, const FwdArgs& a) {
   for (auto& s : scratch) {
     s.w = weight_tile(p);
     s.t.resize(size_t(kTileV * kBlock));
+    if (a.keep) s.kt.resize(size_t(kTileV * kBlock));
   }
   parallel_for(units, workers, [&](int w, int64_t u) { forward_unit(p, a, ap, u / k, u % k, scratch[w]); });
   target_logits(p, a);
@@ -644,11 +714,12 @@ Status combine(const CombineArgs& a) {
   parallel_for(cdiv(a.n, 1024), workers_for(cdiv(a.n, 1024)), [&](int, int64_t u) {
     for (int64_t r = u * 1024; r < std::min(a.n, (u + 1) * 1024); ++r) {
       const RowResult res = combine_row(a.stats + r * a.k * kStatWidth, a.k, a.target_logit[r], a.targets[r],
-                                        a.real_vocab, a.ignore_index);
+                                        a.real_vocab, a.ignore_index, a.keep_sum ? a.keep_sum + r * a.k : nullptr);
       if (a.logp) a.logp[r] = res.logp;
       if (a.entropy) a.entropy[r] = res.entropy;
       if (a.m) a.m[r] = res.m;
       if (a.log_s) a.log_s[r] = res.log_s;
+      if (a.log_s_keep) a.log_s_keep[r] = res.log_s_keep;
     }
   });
   return nullptr;
@@ -657,6 +728,7 @@ Status combine(const CombineArgs& a) {
 Status backward(const Problem& p, const BwdArgs& a) {
   if (p.chunk <= 0 || p.v % p.chunk != 0) return "rlk cpu backward: chunk must divide the local vocab";
   if (Status s = check_dhidden_dtype(p, a.dhidden_dtype)) return s;
+  if (a.keep && !a.log_s_keep) return "rlk cpu backward: a keep mask needs log_s_keep";
   if (p.n == 0) {  // no rows: dW and db are zero
     std::vector<float> zero(size_t(p.h), 0.f);
     for (int64_t j = 0; j < p.v; ++j) from_f32(p.dtype, zero.data(), p.h, a.dweight, j * p.h);
@@ -672,6 +744,7 @@ Status backward(const Problem& p, const BwdArgs& a) {
     for (auto& s : sc) {
       s.w = weight_tile(p);
       s.t.resize(size_t(kTileV * kBlock));
+      if (a.keep) s.kt.resize(size_t(kTileV * kBlock));
       if (pass1) {
         s.dh.resize(size_t(kBlock * p.h));
       } else {

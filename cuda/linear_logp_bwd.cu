@@ -494,6 +494,7 @@ size_t backward_workspace_bytes(const Problem& p, bool fast, DType dhidden_dtype
 }
 
 Status backward(const Problem& p, const BwdArgs& a, Workspace ws, cudaStream_t stream) {
+  if (a.keep) return "rlk cuda: keep mask not supported yet";
   if (Status s = detail::check_shape(p)) return s;
   if (Status s = check_dhidden_dtype(p, a.dhidden_dtype)) return s;
   const size_t need = backward_workspace_bytes(p, a.logits != nullptr, a.dhidden_dtype);

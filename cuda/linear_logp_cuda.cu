@@ -322,6 +322,7 @@ size_t forward_workspace_bytes(const Problem& p) {
 }
 
 Status forward(const Problem& p, const FwdArgs& a, Workspace ws, cudaStream_t stream, Backend* ran) {
+  if (a.keep) return "rlk cuda: keep mask not supported yet";
   if (Status s = check_shape(p)) return s;
   if (ran) *ran = forward_backend(p);
   if (p.n == 0) return nullptr;
@@ -336,6 +337,7 @@ Status forward(const Problem& p, const FwdArgs& a, Workspace ws, cudaStream_t st
 }
 
 Status combine(const CombineArgs& a, cudaStream_t stream) {
+  if (a.keep_sum) return "rlk cuda: keep mask not supported yet";
   if (a.n <= 0) return nullptr;
   combine_kernel<<<unsigned((a.n + 255) / 256), 256, 0, stream>>>(a);
   RLK_CHECK_LAUNCH("rlk cuda: combine kernel launch failed");

@@ -159,10 +159,19 @@ void* kept_of(const std::optional<Array>& logits, const Call& c) {
   return logits->data();
 }
 
-// The combine of `stats` [n, k, kStatWidth] into logp, entropy, m and log_s [n] (all f32 on `device`).
+// A top-p nucleus: uint8 [n, v] (torch passes its bool mask viewed as uint8) on `device`, or null.
+const uint8_t* keep_of(const std::optional<Array>& keep, int64_t n, int64_t v, int device) {
+  if (!keep) return nullptr;
+  expect(*keep, nb::dtype<uint8_t>(), {n, v}, device, "keep (the nucleus: uint8 [n, v_local])");
+  return static_cast<const uint8_t*>(keep->data());
+}
+
+// The combine of `stats` [n, k, kStatWidth] into logp, entropy, m and log_s [n] (all f32 on `device`);
+// with keep_sum [n, k] the nucleus's logp, and its log_s_keep [n] into `log_s_keep`.
 rlk::CombineArgs combine_args(const Array& stats, const Array& target_logit, const Array& targets, const Array& logp,
-                              const Array& entropy, const Array& m, const Array& log_s, int64_t real_vocab,
-                              int64_t ignore_index, int device) {
+                              const Array& entropy, const Array& m, const Array& log_s,
+                              const std::optional<Array>& keep_sum, const std::optional<Array>& log_s_keep,
+                              int64_t real_vocab, int64_t ignore_index, int device) {
   if (stats.ndim() != 3 || stats.shape(2) != size_t(rlk::kStatWidth))
     throw std::invalid_argument("rlk: stats must be [n, chunks, 3]");
   rlk::CombineArgs a;
@@ -172,6 +181,14 @@ rlk::CombineArgs combine_args(const Array& stats, const Array& target_logit, con
   expect(target_logit, nb::dtype<float>(), {a.n}, device, "target_logit");
   expect(targets, nb::dtype<int32_t>(), {a.n}, device, "targets");
   for (const Array* o : {&logp, &entropy, &m, &log_s}) expect(*o, nb::dtype<float>(), {a.n}, device, "combine output");
+  if (keep_sum.has_value() != log_s_keep.has_value())
+    throw std::invalid_argument("rlk: keep_sum and log_s_keep come together");
+  if (keep_sum) {
+    expect(*keep_sum, nb::dtype<float>(), {a.n, a.k}, device, "keep_sum");
+    expect(*log_s_keep, nb::dtype<float>(), {a.n}, device, "log_s_keep");
+    a.keep_sum = static_cast<const float*>(keep_sum->data());
+    a.log_s_keep = static_cast<float*>(log_s_keep->data());
+  }
   a.real_vocab = real_vocab;
   a.ignore_index = ignore_index;
   a.stats = static_cast<const float*>(stats.data());
@@ -186,12 +203,13 @@ rlk::CombineArgs combine_args(const Array& stats, const Array& target_logit, con
 
 // The forward statistics and, when logp, entropy, m and log_s are given (a call over the whole vocab),
 // their combine in the same call: one entry point per single-shard forward keeps the host's share
-// of a small call low.
+// of a small call low. With keep (a nucleus) also keep_sum, and log_s_keep when combining.
 void dl_forward(Array hidden, Array weight, std::optional<Array> bias, Array targets, Array temperature, Array stats,
                 Array target_logit, std::optional<Array> logits, std::optional<Array> workspace, int64_t vocab_start,
                 int64_t real_vocab, int64_t chunk, int64_t ignore_index, bool with_entropy, uintptr_t stream,
                 std::optional<Array> logp, std::optional<Array> entropy, std::optional<Array> m,
-                std::optional<Array> log_s) {
+                std::optional<Array> log_s, std::optional<Array> keep, std::optional<Array> keep_sum,
+                std::optional<Array> log_s_keep) {
   const Call c = make_call(hidden, weight, bias, targets, temperature, vocab_start, real_vocab, chunk, ignore_index,
                            with_entropy);
   expect(stats, nb::dtype<float>(), {c.p.n, rlk::num_chunks(c.p), rlk::kStatWidth}, c.device, "stats");
@@ -201,6 +219,8 @@ void dl_forward(Array hidden, Array weight, std::optional<Array> bias, Array tar
     throw std::invalid_argument("rlk: logp, entropy, m and log_s come together");
   if (combine && (vocab_start != 0 || c.p.v < real_vocab))
     throw std::invalid_argument("rlk: the forward combines only a call over the whole vocab");
+  if (keep.has_value() != keep_sum.has_value()) throw std::invalid_argument("rlk: keep and keep_sum come together");
+  if (keep_sum) expect(*keep_sum, nb::dtype<float>(), {c.p.n, rlk::num_chunks(c.p)}, c.device, "keep_sum");
   rlk::FwdArgs a;
   a.hidden = hidden.data();
   a.weight = weight.data();
@@ -209,10 +229,14 @@ void dl_forward(Array hidden, Array weight, std::optional<Array> bias, Array tar
   a.temperature = static_cast<const float*>(temperature.data());
   a.stats = static_cast<float*>(stats.data());
   a.target_logit = static_cast<float*>(target_logit.data());
+  a.keep = keep_of(keep, c.p.n, c.p.v, c.device);
+  a.keep_sum = keep_sum ? static_cast<float*>(keep_sum->data()) : nullptr;
   a.logits = kept_of(logits, c);
+  if (log_s_keep.has_value() != (combine && keep.has_value()))
+    throw std::invalid_argument("rlk: log_s_keep comes with keep in a combining forward");
   const rlk::CombineArgs ca =
-      combine ? combine_args(stats, target_logit, targets, *logp, *entropy, *m, *log_s, real_vocab, ignore_index,
-                             c.device)
+      combine ? combine_args(stats, target_logit, targets, *logp, *entropy, *m, *log_s, keep_sum, log_s_keep,
+                             real_vocab, ignore_index, c.device)
               : rlk::CombineArgs{};
   run_on(c.device, workspace, stream, [&](auto& ex) {
     if (rlk::Status s = ex.forward(c.p, a)) return s;
@@ -221,9 +245,10 @@ void dl_forward(Array hidden, Array weight, std::optional<Array> bias, Array tar
 }
 
 void dl_combine(Array stats, Array target_logit, Array targets, Array logp, Array entropy, Array m, Array log_s,
-                int64_t real_vocab, int64_t ignore_index, uintptr_t stream) {
-  const rlk::CombineArgs a = combine_args(stats, target_logit, targets, logp, entropy, m, log_s, real_vocab,
-                                          ignore_index, stats.device_type());
+                int64_t real_vocab, int64_t ignore_index, uintptr_t stream, std::optional<Array> keep_sum,
+                std::optional<Array> log_s_keep) {
+  const rlk::CombineArgs a = combine_args(stats, target_logit, targets, logp, entropy, m, log_s, keep_sum, log_s_keep,
+                                          real_vocab, ignore_index, stats.device_type());
   run_on(stats.device_type(), std::nullopt, stream, [&](auto& ex) { return ex.combine(a); });
 }
 
@@ -232,7 +257,8 @@ void dl_backward(Array hidden, Array weight, std::optional<Array> bias, Array ta
                  std::optional<Array> entropy, Array g, std::optional<Array> e, std::optional<Array> logits,
                  Array dhidden, Array dweight,
                  std::optional<Array> dbias, Array dtemp, std::optional<Array> workspace, int64_t vocab_start,
-                 int64_t real_vocab, int64_t chunk, int64_t ignore_index, uintptr_t stream) {
+                 int64_t real_vocab, int64_t chunk, int64_t ignore_index, uintptr_t stream, std::optional<Array> keep,
+                 std::optional<Array> log_s_keep) {
   const bool with_entropy = entropy.has_value() && e.has_value();
   const Call c = make_call(hidden, weight, bias, targets, temperature, vocab_start, real_vocab, chunk, ignore_index,
                            with_entropy);
@@ -250,6 +276,8 @@ void dl_backward(Array hidden, Array weight, std::optional<Array> bias, Array ta
   if (bias && !dbias) throw std::invalid_argument("rlk: dbias is required with bias");
   if (dbias) expect(*dbias, nb::dtype<float>(), {p.v}, c.device, "dbias");
   expect(dtemp, nb::dtype<float>(), {p.n}, c.device, "dtemp");
+  if (keep.has_value() != log_s_keep.has_value()) throw std::invalid_argument("rlk: keep and log_s_keep come together");
+  if (log_s_keep) expect(*log_s_keep, nb::dtype<float>(), {p.n}, c.device, "log_s_keep");
   rlk::BwdArgs a;
   a.hidden = hidden.data();
   a.weight = weight.data();
@@ -261,6 +289,8 @@ void dl_backward(Array hidden, Array weight, std::optional<Array> bias, Array ta
   a.entropy = with_entropy ? static_cast<const float*>(entropy->data()) : nullptr;
   a.g = static_cast<const float*>(g.data());
   a.e = with_entropy ? static_cast<const float*>(e->data()) : nullptr;
+  a.keep = keep_of(keep, p.n, p.v, c.device);
+  a.log_s_keep = log_s_keep ? static_cast<const float*>(log_s_keep->data()) : nullptr;
   a.logits = kept_of(logits, c);
   a.dhidden = dhidden.data();
   a.dhidden_dtype = dh_dtype;
@@ -408,15 +438,20 @@ NB_MODULE(_rlk_core, m) {
         nb::arg("vocab_start"), nb::arg("real_vocab"), nb::arg("chunk"), nb::arg("ignore_index"),
         nb::arg("with_entropy"), nb::arg("stream"), nb::arg("logp").noconvert().none() = nb::none(),
         nb::arg("entropy").noconvert().none() = nb::none(), nb::arg("m").noconvert().none() = nb::none(),
-        nb::arg("log_s").noconvert().none() = nb::none(),
+        nb::arg("log_s").noconvert().none() = nb::none(), nb::arg("keep").noconvert().none() = nb::none(),
+        nb::arg("keep_sum").noconvert().none() = nb::none(), nb::arg("log_s_keep").noconvert().none() = nb::none(),
         "Forward statistics into caller-allocated stats [n, v/chunk, 3] and target_logit [n], and the kept\n"
         "buffer (uint8 [kept_bytes]) when `logits` is given (DLPack). With logp, entropy, m and log_s [n]\n"
-        "f32 (a call over the whole vocab) also their combine, as `combine` would.");
+        "f32 (a call over the whole vocab) also their combine, as `combine` would. keep: a top-p nucleus,\n"
+        "uint8 [n, v_local], with keep_sum [n, v/chunk] f32 (the kept sums) and, combining, log_s_keep [n]:\n"
+        "logp is then over the nucleus (target_logit -inf for a target outside it); CPU only.");
   m.def("combine", &dl_combine, nb::arg("stats").noconvert(), nb::arg("target_logit").noconvert(),
         nb::arg("targets").noconvert(), nb::arg("logp").noconvert(), nb::arg("entropy").noconvert(),
         nb::arg("m").noconvert(), nb::arg("log_s").noconvert(), nb::arg("real_vocab"), nb::arg("ignore_index"),
-        nb::arg("stream"),
-        "Combine all chunks' statistics into logp, entropy and the row's m and log_s (lse = m + log_s) (DLPack).");
+        nb::arg("stream"), nb::arg("keep_sum").noconvert().none() = nb::none(),
+        nb::arg("log_s_keep").noconvert().none() = nb::none(),
+        "Combine all chunks' statistics into logp, entropy and the row's m and log_s (lse = m + log_s) (DLPack).\n"
+        "With keep_sum [n, chunks] (every shard's kept sums) logp is over the nucleus, its log_s_keep [n] out.");
   m.def("backward", &dl_backward, nb::arg("hidden").noconvert(), nb::arg("weight").noconvert(),
         nb::arg("bias").noconvert().none(), nb::arg("targets").noconvert(), nb::arg("temperature").noconvert(),
         nb::arg("m").noconvert(), nb::arg("log_s").noconvert(), nb::arg("entropy").noconvert().none(),
@@ -424,7 +459,8 @@ NB_MODULE(_rlk_core, m) {
         nb::arg("e").noconvert().none(), nb::arg("logits").noconvert().none(), nb::arg("dhidden").noconvert(), nb::arg("dweight").noconvert(),
         nb::arg("dbias").noconvert().none(), nb::arg("dtemp").noconvert(), nb::arg("workspace").noconvert().none(),
         nb::arg("vocab_start"), nb::arg("real_vocab"), nb::arg("chunk"), nb::arg("ignore_index"), nb::arg("stream"),
+        nb::arg("keep").noconvert().none() = nb::none(), nb::arg("log_s_keep").noconvert().none() = nb::none(),
         "Backward into caller-allocated dhidden (float32, or the dtype of hidden), dweight, dbias f32, dtemp f32\n"
         "(DLPack). With `logits` (the forward's kept buffer) the fast strategy, which on CUDA overwrites it;\n"
-        "else lean.");
+        "else lean. keep (the forward's nucleus) and log_s_keep (the combine's): the nucleus's logp gradient.");
 }

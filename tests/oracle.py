@@ -31,11 +31,13 @@ def f64(x):
 
 
 def linear_logp(h, w, t, *, bias=None, temperature=1.0, ignore_index=-100, real_vocab=None, g=None, e=None,
-                kept_fp16=False, dlogit_dtype=None):
+                kept_fp16=False, dlogit_dtype=None, nucleus=None):
     """Returns dict(logp, entropy, dh, dw, db, dtemp) in float64 for loss = sum g*logp + sum e*entropy,
     and the magnitudes *_abs that scale the gradients' tolerances. kept_fp16: the gradients were
     computed from fp16 kept logits (the fast backward on 16-bit operands); dlogit_dtype: dlogit
-    was rounded to this dtype before the gradient GEMMs (the CUDA backward)."""
+    was rounded to this dtype before the gradient GEMMs (the CUDA backward). nucleus: a top-p keep mask
+    [n, v] bool: logp over it (-inf for a target outside it, NaN for an empty one), the entropy
+    unmasked, the logp gradient g kept (delta - p_kept)."""
     h, w = f64(h), f64(w)
     t = np.asarray(t).reshape(-1).astype(np.int64)
     n, v = h.shape[0], w.shape[0]
@@ -54,20 +56,34 @@ def linear_logp(h, w, t, *, bias=None, temperature=1.0, ignore_index=-100, real_
     invalid = ~ignored & ((t < 0) | (t >= real))
     keep = ~(ignored | invalid)
     zt = np.where(keep, zs[np.arange(n), np.clip(t, 0, v - 1)], 0.0)
-    logp = np.where(keep, zt - lse, np.where(invalid, np.nan, 0.0))
+    delta = np.zeros_like(z)
+    delta[np.arange(n)[keep], t[keep]] = 1.0
+    # the logp term's distribution: the whole row's, or the nucleus's
+    p_g, lse_g = p, lse
+    if nucleus is not None:
+        nucleus = np.asarray(nucleus, bool) & ~pad
+        zk = np.where(nucleus, z, -np.inf)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            mk = zk.max(axis=1, keepdims=True)
+            lse_g = (mk + np.log(np.exp(zk - mk).sum(axis=1, keepdims=True)))[:, 0]
+            p_g = np.where(nucleus, np.exp(zk - lse_g[:, None]), 0.0)
+        zt = np.where(nucleus[np.arange(n), np.clip(t, 0, v - 1)], zt, -np.inf)
+        delta = delta * nucleus
+    with np.errstate(invalid="ignore"):
+        logp = np.where(keep, zt - lse_g, np.where(invalid, np.nan, 0.0))
     ent = np.where(keep, ent, np.where(invalid, np.nan, 0.0))
     out = dict(logp=logp, entropy=ent)
     g = np.zeros(n) if g is None else f64(g).reshape(-1)
     e = np.zeros(n) if e is None else f64(e).reshape(-1)
-    delta = np.zeros_like(z)
-    delta[np.arange(n)[keep], t[keep]] = 1.0
-    dz = g[:, None] * (delta - p) + e[:, None] * p * (lse - np.where(keep, ent, 0.0))[:, None] - e[:, None] * p * zs
+    dz = g[:, None] * (delta - p_g) + e[:, None] * p * (lse - np.where(keep, ent, 0.0))[:, None] - e[:, None] * p * zs
     dz = np.where(pad | ~keep[:, None], 0.0, dz)
     dlogit = dz / temp[:, None]
     out.update(dh=dlogit @ w, dw=dlogit.T @ h, db=dlogit.sum(axis=0), dtemp=-(dz * zs).sum(axis=1) / temp)
     # Magnitudes of the summed terms, for the fp32 part of the tolerance: each dz carries the error
     # of z - lse and lse - ent - z, i.e. a few ulps of |z|, |lse| and |ent|.
-    mag = (np.abs(g) + np.abs(e))[:, None] * p * (1 + np.abs(lse)[:, None] + np.abs(np.where(keep, ent, 0.0))[:, None] + np.abs(zs))
+    ent_abs = np.abs(np.where(keep, ent, 0.0))[:, None]
+    mag = (np.abs(g)[:, None] * p_g * (1 + np.abs(lse_g)[:, None] + ent_abs + np.abs(zs))
+           + np.abs(e)[:, None] * p * (1 + np.abs(lse)[:, None] + ent_abs + np.abs(zs)))
     mag = np.where(pad | ~keep[:, None], 0.0, mag)
     ad = np.abs(dlogit) + mag / temp[:, None]
     adt = np.abs(dz * zs)
@@ -91,7 +107,8 @@ def rel_err(x, ref):
 def assert_values(x, ref, what):
     x, ref = f64(x), np.asarray(ref, np.float64)
     assert np.array_equal(np.isnan(x), np.isnan(ref)), f"{what}: NaN pattern differs"
-    ok = np.isnan(ref) | (np.abs(x - ref) <= VALUE_ATOL + VALUE_RTOL * np.abs(ref))
+    with np.errstate(invalid="ignore"):  # -inf where -inf is due (a target outside its nucleus)
+        ok = np.isnan(ref) | (x == ref) | (np.abs(x - ref) <= VALUE_ATOL + VALUE_RTOL * np.abs(ref))
     bad = np.argwhere(~ok)
     assert bad.size == 0, f"{what}: {bad.shape[0]} elements off, first {bad[0]}: {x[tuple(bad[0])]} vs {ref[tuple(bad[0])]}"
 

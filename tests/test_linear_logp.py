@@ -215,7 +215,7 @@ def test_fast_backward_keeps_only_the_kept_buffer():
     n, temps, texts = _programs(True, "fast")
     for v, text in texts.items():
         kept = kept_bytes(n, v, core.canonical_chunk(v), jnp.bfloat16)
-        assert f"u8[{kept}]" in text and n * v * 2 <= kept < n * v * 2.1
+        assert f"u8[{kept}]" in text and n * v * 2 <= kept < n * v * 2.15  # 2.11 at v = 4096: 8 chunks of 512
         assert f"[{n},{v}]" not in text and f"[{v},{n}]" not in text
     growth_fp32_logits = n * (32768 - 4096) * 4
     kept_growth = (kept_bytes(n, 32768, core.canonical_chunk(32768), jnp.bfloat16)
@@ -231,7 +231,7 @@ def _fast_backward_calls(fn):
     return rlk_xla.route_stats()["backends"]["cpu"]["bwd_fast_calls"] - before
 
 
-_KEPT = 127 * 4 * (4 + 9 + 1) + 127 * 2 * 518  # CPU, bf16, n 127, v = chunk 517: 9 tiles, one chunk
+_KEPT = 127 * 4 * (6 + 9 + 1) + 127 * 2 * 518  # CPU, bf16, n 127, v = chunk 517: 6 moments, 9 tiles, one chunk
 
 
 @pytest.mark.parametrize("backward,budget,fast", [("auto", None, 1), ("auto", 0, 0), ("auto", _KEPT, 1),

@@ -99,8 +99,8 @@ def test_logp_per_element_with_normal_inputs(device):
     t[::3] = z64[::3].argmax(dim=1)
     truth = torch.log_softmax(z64, dim=1).gather(1, t[:, None])[:, 0]
     T = torch.full((n,), temp, device=device)
-    logp, _, _, _, kept = torch.ops.rlk.linear_logp(hid.to(device), w.to(device), None, t.int().to(device), T, v,
-                                                    v // 8, -100, False, True)
+    logp, _, _, _, kept, _ = torch.ops.rlk.linear_logp(hid.to(device), w.to(device), None, t.int().to(device), T, v,
+                                                       v // 8, -100, False, True)
     ours = torch_bridge.linear_logp(hid.to(device), w.to(device), t.to(device), temperature=temp, mode="strict")
     assert torch.equal(ours, logp)
     z32 = kept.view(torch.float32).view(n, v).cpu()  # fp32 operands: the kept buffer is z [n, v] fp32

@@ -43,10 +43,10 @@ CPU = torch.device("cpu")
 
 
 def _cpu_row_bytes(v, chunk):
-    """One row of the CPU backend's 16-bit kept record: 4 fp32 moments per chunk, one fp32 max per
+    """One row of the CPU backend's 16-bit kept record: 6 fp32 moments per chunk, one fp32 max per
     64-column tile of each chunk, the fp32 target logit, then fp16 q for the v columns (even)."""
     chunks, tiles = v // chunk, -(-chunk // 64)
-    return 4 * (4 * chunks + chunks * tiles + 1) + 2 * (v + v % 2)
+    return 4 * (6 * chunks + chunks * tiles + 1) + 2 * (v + v % 2)
 
 
 def test_kept_bytes_rule():
@@ -119,9 +119,9 @@ def test_logits_are_kept_only_when_a_backward_can_run(monkeypatch):
     kept = []
     forward = _rlk_core.forward
 
-    def spy(*args):
+    def spy(*args, **kwargs):
         kept.append(args[7] is not None)  # core.forward's `logits`
-        return forward(*args)
+        return forward(*args, **kwargs)
 
     monkeypatch.setattr(_ops.core, "forward", spy)
     d, kw, _, _ = make_inputs(2, 20, 16, 100, "bfloat16", bias=True, temp="array")
@@ -148,13 +148,13 @@ def test_fast_changes_no_forward_bit():
 
 def _decode_cpu_kept(kept, n, v, chunk):
     """The CPU 16-bit kept record -> (z - m) [n, v] float64 (from q and the tile maxima; -inf where
-    q = 0), the chunk moments [n, chunks, 4] and the target logits [n]."""
+    q = 0), the chunk moments [n, chunks, 6] and the target logits [n]."""
     chunks, tiles = v // chunk, -(-chunk // 64)
     rows = kept.view(n, -1)
-    floats = 4 * chunks + chunks * tiles + 1
+    floats = 6 * chunks + chunks * tiles + 1
     f = rows[:, :4 * floats].contiguous().view(torch.float32).double()
     q = rows[:, 4 * floats:4 * floats + 2 * v].contiguous().view(F16).double()
-    mom, tmax, zt = f[:, :4 * chunks].reshape(n, chunks, 4), f[:, 4 * chunks:-1], f[:, -1]
+    mom, tmax, zt = f[:, :6 * chunks].reshape(n, chunks, 6), f[:, 6 * chunks:-1], f[:, -1]
     col = torch.arange(v)
     tile = col // chunk * tiles + col % chunk // 64
     return q.log() + tmax[:, tile] - mom[:, :, 0].max(dim=1).values[:, None], mom, zt
@@ -183,6 +183,7 @@ def test_kept_buffer_holds_the_scaled_logits(dtype):
         err = (zm[:, :290] - want[:, :290]).abs()
         assert (err[live] <= 2.0 ** -10 + 1e-6 * mag[:, :290][live]).all()
         assert torch.equal(mom[:, :, :3].float(), stats) or torch.allclose(mom[:, :, :2].float(), stats[:, :, :2])
+        assert (mom[:, :, 4:] == 0).all()  # the nucleus's sums: written, 0 without one
         zm_c = z[:, :290].reshape(45, -1)  # second moments: sum exp(z - m_c) (z - m_c)^2 per chunk
         for c in range(4):
             zc = z[:, 75 * c:min(75 * (c + 1), 290)]
@@ -200,7 +201,7 @@ def test_cpu_fast_backward_only_reads_the_kept_buffer():
     """The CPU backward reads the kept buffer (CUDA overwrites it: test_torch_gpu.py)."""
     d, kw, g, e = make_inputs(5, 30, 16, 200, "bfloat16", bias=True, temp="array")
     h, w, b, t, T = d["hidden"], d["weight"], kw["bias"].float(), d["targets"].int(), kw["temperature"]
-    logp, ent, m, log_s, logits = torch.ops.rlk.linear_logp(h, w, b, t, T, 200, 200, -100, True, True)
+    logp, ent, m, log_s, logits, _ = torch.ops.rlk.linear_logp(h, w, b, t, T, 200, 200, -100, True, True)
     before = logits.clone()
     fast = torch.ops.rlk.linear_logp_backward(h, w, b, t, T, m, log_s, ent, g, e, logits, 0, 200, 200, -100, False)
     assert torch.equal(logits, before)

@@ -98,7 +98,7 @@ def test_fast_backward_consumes_the_kept_logits_cuda():
     """On CUDA the fast backward overwrites the kept logits (with dlogit): one backward per forward."""
     d, kw, g, e = make_inputs(5, 30, 64, 512, "bfloat16", bias=True, temp="array", device=CUDA)
     h, w, b, t, T = d["hidden"], d["weight"], kw["bias"].float(), d["targets"].int(), kw["temperature"]
-    logp, ent, m, log_s, logits = torch.ops.rlk.linear_logp(h, w, b, t, T, 512, 64, -100, True, True)
+    logp, ent, m, log_s, logits, _ = torch.ops.rlk.linear_logp(h, w, b, t, T, 512, 64, -100, True, True)
     before = logits.clone()
     torch.ops.rlk.linear_logp_backward(h, w, b, t, T, m, log_s, ent, g, e, logits, 0, 512, 64, -100, False)
     assert not torch.equal(logits, before)
@@ -173,6 +173,14 @@ def test_vime_provider_cuda_routes_and_row_chunks():
     z = logits.double().masked_fill(~keep, float("-inf"))
     want = torch.log_softmax(z, -1).gather(1, d["targets"][:, None])
     assert float((runs[0].logp.double() - want).abs().max()) <= 2e-5 * (1 + float(want.abs().max()))
+    # the CUDA kernels take no keep mask yet: a masked request with the context too takes the logits
+    # route; with only the context it is unavailable (vime's auto then runs its native path)
+    both = vime.provider(vime_side.request(d["targets"], hidden=d["hidden"], weight=d["weight"], temperature=T,
+                                           logits=logits, keep_mask=keep), "strict")
+    assert both.backend_id == "rlk.logits.cuda" and "keep mask" in both.provenance["route_reason"]
+    with pytest.raises(vime.ProviderUnavailable, match="keep mask"):
+        vime.provider(vime_side.request(d["targets"], hidden=d["hidden"], weight=d["weight"], temperature=T,
+                                        keep_mask=keep))
 
 
 def test_vime_provider_captures_in_a_cuda_graph():

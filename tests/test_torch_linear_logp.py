@@ -236,12 +236,12 @@ def _op_samples(device):
     h, w, b = d["hidden"], d["weight"], kw["bias"]
     t, T = d["targets"].to(torch.int32), kw["temperature"]
     chunk = 300 // 4  # canonical_chunk(300) = 75
-    stats, tl, kept = torch.ops.rlk.forward_stats(h, w, b, t, T, 0, 290, chunk, -100, True, True)
-    logp, ent, m, log_s = torch.ops.rlk.combine(stats, tl, t, 290, -100)
+    stats, tl, kept, _ = torch.ops.rlk.forward_stats(h, w, b, t, T, 0, 290, chunk, -100, True, True)
+    logp, ent, m, log_s, _ = torch.ops.rlk.combine(stats, tl, t, 290, -100)
     hh, wh = h.half(), w.half()
     kept16 = torch.ops.rlk.forward_stats(hh, wh, None, t, T, 0, 290, chunk, -100, False, True)[2]
     lean = torch.zeros(0, dtype=torch.uint8, device=device)
-    return dict(
+    samples = dict(
         forward_stats=[(h, w, b, t, T, 0, 290, chunk, -100, True, False),
                        (h.bfloat16(), w.bfloat16(), None, t, T, 0, 300, chunk, -100, False, True)],
         combine=[(stats, tl, t, 290, -100)],
@@ -254,6 +254,18 @@ def _op_samples(device):
             (h, w, b, t, T, 290, chunk, -100, True, keep),
             (h.bfloat16(), w.bfloat16(), None, t, T, 300, chunk, -100, False, keep))],
     )
+    if device == "cpu":  # a top-p nucleus (the CUDA kernels refuse it)
+        nucleus = torch.rand(13, 300, generator=torch.Generator().manual_seed(1)) < 0.5
+        _, _, kept_k, keep_sum = torch.ops.rlk.forward_stats(hh, wh, None, t, T, 0, 290, chunk, -100, True, True,
+                                                             nucleus)
+        lp, en, mk, lsk, log_s_keep = torch.ops.rlk.combine(stats, tl, t, 290, -100, keep_sum)
+        samples["forward_stats"].append((h, w, b, t, T, 0, 290, chunk, -100, True, True, nucleus))
+        samples["combine"].append((stats, tl, t, 290, -100, keep_sum))
+        samples["linear_logp_backward"] += [
+            (h, w, b, t, T, m, log_s, ent, g, e, lean, 0, 290, chunk, -100, True, nucleus, log_s_keep),
+            (hh, wh, None, t, T, mk, lsk, en, g, e, kept_k, 0, 290, chunk, -100, False, nucleus, log_s_keep)]
+        samples["linear_logp"] += [(h, w, b, t, T, 290, chunk, -100, True, keep, nucleus) for keep in (False, True)]
+    return samples
 
 
 def test_linear_logp_op_is_forward_stats_then_combine_bitwise():
@@ -264,9 +276,9 @@ def test_linear_logp_op_is_forward_stats_then_combine_bitwise():
     d, kw, g, e = make_inputs(7, 13, 24, 300, "float32", bias=True, temp="array", ignore_frac=0.2)
     h, w, b, t, T = d["hidden"], d["weight"], kw["bias"], d["targets"].to(torch.int32), kw["temperature"]
     for with_entropy in (True, False):
-        stats, tl, _ = torch.ops.rlk.forward_stats(h, w, b, t, T, 0, 290, 75, -100, with_entropy, False)
+        stats, tl, _, _ = torch.ops.rlk.forward_stats(h, w, b, t, T, 0, 290, 75, -100, with_entropy, False)
         want = torch.ops.rlk.combine(stats, tl, t, 290, -100)
-        logp, ent, m, log_s, _ = torch.ops.rlk.linear_logp(h, w, b, t, T, 290, 75, -100, with_entropy, False)
+        logp, ent, m, log_s, _, _ = torch.ops.rlk.linear_logp(h, w, b, t, T, 290, 75, -100, with_entropy, False)
         assert torch.equal(logp, want[0]) and torch.equal(m, want[2]) and torch.equal(log_s, want[3])
         assert torch.equal(ent, want[1] if with_entropy else torch.zeros_like(ent))
     out = [torch.empty(7) for _ in range(4)]

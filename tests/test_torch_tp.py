@@ -1,7 +1,8 @@
 """Vocab-parallel torch_bridge.linear_logp over 2 and 4 gloo processes: bitwise the same logp and
 entropy as the unsharded call (TP = 1, 2, 4), gradients against the float64 oracle with the lean and
-the fast backward, dH reduction options, the reference (off) path and the vime provider (fused and
-logits routes) under TP; and the rollout side: score_sampled on padded decode batches at TP 2 and 4
+the fast backward, dH reduction options, the reference (off) path, a top-p nucleus in the fused
+kernels (keep_mask) and the vime provider (fused and logits routes, masked or not) under TP; and the
+rollout side: score_sampled on padded decode batches at TP 2 and 4
 gives the TP 1 trainer's rows."""
 import pytest
 
@@ -40,14 +41,29 @@ def _fast_calls():
     return _rlk_core.route_counts()["cpu"][4]
 
 
-def _run(d, kw, g, e, *, group=None, rank=0, world=1, mode=None, reduce_grad_hidden=True, backward="lean"):
-    """One rank's call on its vocab shard: logp, entropy, the gradients of sum g*logp + e*ent and
-    how many fast backwards ran."""
+def _nucleus(name):
+    """A top-p-like keep mask [n, V] of the case: each row's real argmax and valid target kept."""
+    d, kw, _, _ = _case_inputs(name)
+    z = d["hidden"].double() @ d["weight"].double().T
+    real = kw.get("real_vocab_size", z.shape[1])
+    keep = torch.rand(z.shape, generator=torch.Generator().manual_seed(11)) < 0.3
+    rows, t = torch.arange(z.shape[0]), d["targets"]
+    keep[rows, z[:, :real].argmax(dim=1)] = True
+    keep[rows[t >= 0], t[t >= 0]] = True
+    return keep
+
+
+def _run(d, kw, g, e, *, group=None, rank=0, world=1, mode=None, reduce_grad_hidden=True, backward="lean",
+         keep=None):
+    """One rank's call on its vocab shard (keep: the global [n, V] nucleus, or None): logp, entropy,
+    the gradients of sum g*logp + e*ent and how many fast backwards ran."""
     v_local = d["weight"].shape[0] // world
     sl = slice(rank * v_local, (rank + 1) * v_local)
     h = d["hidden"].clone().requires_grad_()
     w = d["weight"][sl].clone().requires_grad_()
     kwargs = dict(kw)
+    if keep is not None:
+        kwargs["keep_mask"] = keep[:, sl]
     leaves = [h, w]
     if "bias" in kw:
         kwargs["bias"] = kw["bias"][sl].clone().requires_grad_()
@@ -67,7 +83,7 @@ def _run(d, kw, g, e, *, group=None, rank=0, world=1, mode=None, reduce_grad_hid
     return out
 
 
-def _vime_fused(d, kw, g, group, rank, world):
+def _vime_fused(d, kw, g, group, rank, world, keep=None):
     v = d["weight"].shape[0]
     v_local = v // world
     sl = slice(rank * v_local, (rank + 1) * v_local)
@@ -75,7 +91,8 @@ def _vime_fused(d, kw, g, group, rank, world):
     req = vime_side.request(d["targets"], hidden=h, weight=d["weight"][sl],
                             bias=kw["bias"][sl] if "bias" in kw else None, tp_group=group,
                             partition=(rank * v_local, v_local, kw.get("real_vocab_size", v), v),
-                            temperature=kw.get("temperature"))
+                            temperature=kw.get("temperature"), keep_mask=None if keep is None else keep[:, sl],
+                            chunk_size=-1 if keep is None else 8)
     r = vime.provider(req, "strict")
     (r.logp[:, 0] * g).sum().backward()
     return dict(logp=r.logp[:, 0].detach(), ent=r.entropy.detach(), dh=h.grad, backend=r.backend_id,
@@ -126,6 +143,11 @@ def _worker(rank, world, port, out_dir):
                                              reduce_grad_hidden=False)["dh"]
             res[name + "/off"] = _run(d, kw, g, e, group=group, rank=rank, world=world, mode="off")
             res[name + "/vime"] = _vime_fused(d, kw, g, group, rank, world)
+            keep = _nucleus(name)
+            for backward in ("lean", "fast"):
+                res[f"{name}/nucleus/{backward}"] = _run(d, kw, g, e, group=group, rank=rank, world=world,
+                                                         backward=backward, keep=keep)
+            res[name + "/vime_nucleus"] = _vime_fused(d, kw, g, group, rank, world, keep)
             res[name + "/vime_logits"] = vime_logits_run(name, group, rank, world)
         for name in R.CASES:
             d, kw = R.trainer_inputs(name, 16384)
@@ -228,6 +250,49 @@ def test_tp_vime_fused_equals_linear_logp(tp_results, name):
             assert torch.equal(pr["logp"].nan_to_num(), res[name]["logp"].nan_to_num())
             assert torch.equal(pr["ent"].nan_to_num(), res[name]["ent"].nan_to_num())
             assert pr["dh"].shape == res[name]["dh"].shape
+
+
+@pytest.mark.parametrize("backward", ["lean", "fast"])
+@pytest.mark.parametrize("name", list(CASES))
+def test_tp_nucleus_is_tp_invariant_and_exact(tp_results, name, backward):
+    """keep_mask in the fused kernels under TP: the kept sums ride the statistics' all-reduce, so
+    logp and entropy are TP 1's bits at TP 2 and 4 (and the temperature gradient the same on every
+    rank); gradients against float64 (the nucleus's logp, the unmasked entropy)."""
+    d, kw, g, e = _case_inputs(name)
+    keep = _nucleus(name)
+    one = _run(d, kw, g, e, backward=backward, keep=keep)
+    dtype = str(d["hidden"].dtype).replace("torch.", "")
+    temp = kw.get("temperature", 1.0)
+    opts = dict(bias=to_np(kw["bias"]) if "bias" in kw else None,
+                temperature=to_np(temp) if isinstance(temp, torch.Tensor) else temp,
+                real_vocab=kw.get("real_vocab_size"), g=g.numpy(), e=e.numpy(), nucleus=keep.numpy())
+    args = (to_np(d["hidden"]), to_np(d["weight"]), d["targets"].numpy())
+    ref = oracle.linear_logp(*args, **opts)
+    ref_kept = oracle.linear_logp(*args, kept_fp16=backward == "fast" and dtype != "float32", **opts)
+    oracle.assert_values(to_np(one["logp"]), ref["logp"], "TP1 nucleus logp")
+    oracle.assert_values(to_np(one["ent"]), ref["entropy"], "TP1 entropy")
+    for world, ranks in tp_results.items():
+        got = [res[f"{name}/nucleus/{backward}"] for res in ranks]
+        for r, res in enumerate(got):
+            for key in ("logp", "ent"):
+                assert torch.equal(res[key].nan_to_num(), one[key].nan_to_num()), (world, r, key)
+                assert torch.equal(res[key].isnan(), one[key].isnan()), (world, r, key)
+            if "dtemp" in one:
+                assert torch.equal(res["dtemp"], got[0]["dtemp"])
+            assert res["fast_calls"] == int(backward == "fast")
+            oracle.assert_grad(to_np(res["dh"]), ref_kept["dh"], dtype, f"TP{world} rank{r} dh", ref_kept["dh_abs"])
+        oracle.assert_grad(to_np(torch.cat([r["dw"] for r in got])), ref_kept["dw"], dtype, f"TP{world} dw",
+                           ref_kept["dw_abs"])
+        if "db" in one:
+            oracle.assert_grad(to_np(torch.cat([r["db"] for r in got])), ref_kept["db"], dtype, f"TP{world} db",
+                               ref_kept["db_abs"])
+        if "dtemp" in one:  # fp32 moments, also for fast: lean's tolerance
+            oracle.assert_grad(to_np(got[0]["dtemp"]), ref["dtemp"], "float32", f"TP{world} dT", ref["dtemp_abs"])
+        for rank, res in enumerate(ranks):  # the vime provider's fused route, the mask in the kernels
+            pr = res[name + "/vime_nucleus"]
+            assert pr["backend"] == "rlk.fused.cpu" and pr["tp_rank"] == rank
+            assert torch.equal(pr["logp"].nan_to_num(), got[rank]["logp"].nan_to_num())
+            assert torch.equal(pr["ent"].nan_to_num(), got[rank]["ent"].nan_to_num())
 
 
 @pytest.mark.parametrize("name", list(CASES))

@@ -1,5 +1,6 @@
 """torch_bridge.vime.provider behind vime's side of the ABI (tests/vime_side.py): every mode, the
-fused (context) and logits routes, row chunks, the top-p keep mask, pre-scaled logits, the
+fused (context) and logits routes, row chunks, the top-p keep mask (in the fused kernels on the CPU,
+on the logits route), pre-scaled logits, the
 unavailability marker, fail-closed strict/audit checks, the route log and the contract id.
 Values against float64 (2e-5), gradients within the dtype's rounding. TP = 2, 4: test_torch_tp.py."""
 import logging
@@ -63,11 +64,15 @@ def _oracle(hidden, weight, bias, targets, temp, g, e, keep=None, real=None):
     return logp.detach(), ent.detach(), torch.autograd.grad(loss, [h, w, b])
 
 
-def _keep(seed, targets, v, frac=0.3):
+def _keep(seed, targets, v, frac=0.3, x=None):
+    """A random nucleus holding each row's target (the sampled token) and, given the inputs x, the
+    row's argmax (as top-p does); row 0 keeps everything (no recorded nucleus)."""
     gen = torch.Generator().manual_seed(seed)
     keep = torch.rand(len(targets), v, generator=gen) < frac
-    keep[torch.arange(len(targets)), targets] = True  # the sampled token is in its nucleus
-    keep[0] = True  # a row without a recorded nucleus
+    keep[torch.arange(len(targets)), targets] = True
+    if x is not None:
+        keep[torch.arange(len(targets)), _logits(*x[:3], x[4]).argmax(dim=1)] = True
+    keep[0] = True
     return keep
 
 
@@ -112,15 +117,16 @@ def test_every_mode_behind_vime(monkeypatch, mode, vime_mode, dtype):
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-@pytest.mark.parametrize("route", ["context", "logits", "masked"])
+@pytest.mark.parametrize("route", ["context", "logits", "masked_logits", "masked_context"])
 def test_row_chunks_give_the_same_bits(route, dtype):
     x = _inputs(2, n=61, dtype=dtype, temp="tensor")
-    keep = _keep(3, x[3], 300) if route == "masked" else None
-    served = "logits" if route == "masked" else route
+    keep = _keep(3, x[3], 300, x=x) if route.startswith("masked") else None
+    served = route.removeprefix("masked_")
     runs = [_serve(*x, route=served, keep=keep, chunk=c, vime_mode="strict") for c in (-1, 1024, 7)]
     for logp, ent, _, res in runs[1:]:
         assert torch.equal(logp, runs[0][0]) and torch.equal(ent, runs[0][1])
-    assert runs[2][3].provenance["row_chunk"] == (None if route == "context" else 7)
+        assert res.provenance["route"] == ("fused" if served == "context" else "logits")
+    assert runs[2][3].provenance["row_chunk"] == (None if served == "context" else 7)
     _check(*runs[2][:3], _oracle(*x, keep=keep), dtype, route)
     # any row split: requests of row slices (of the same logits), concatenated
     hidden, weight, bias, targets, temp = x[:5]
@@ -128,7 +134,7 @@ def test_row_chunks_give_the_same_bits(route, dtype):
     parts = []
     for i in range(0, 61, 13):
         sl = slice(i, i + 13)
-        ctx = dict(hidden=hidden[sl], weight=weight, bias=bias) if route == "context" else {}
+        ctx = dict(hidden=hidden[sl], weight=weight, bias=bias) if served == "context" else {}
         parts.append(vime.provider(vime_side.request(
             targets[sl], logits=None if ctx else logits[sl], temperature=temp[sl],
             keep_mask=None if keep is None else keep[sl], **ctx)))
@@ -136,35 +142,35 @@ def test_row_chunks_give_the_same_bits(route, dtype):
     assert torch.equal(torch.cat([p.entropy for p in parts]), runs[0][1])
 
 
-@pytest.mark.parametrize("both", [False, True])
-def test_top_p_mask_on_the_logits_route(both):
+@pytest.mark.parametrize("route", ["logits", "context", "both"])
+def test_top_p_mask(route):
+    """On the CPU the nucleus goes into the fused kernels whenever the context is there (no [T, V]
+    float buffer), else the logits route takes it; logp over the nucleus, entropy unmasked."""
     x = _inputs(4, dtype="float32", temp=0.8)
-    keep = _keep(5, x[3], 300)
-    logp, ent, grads, res = _serve(*x, route="both" if both else "logits", keep=keep, vime_mode="strict")
-    _check(logp, ent, grads, _oracle(*x, keep=keep), "float32", "masked")
-    assert res.provenance["route"] == "logits" and res.provenance["top_p_mask"]
-    assert ("keep mask" in res.provenance["route_reason"]) is both
+    keep = _keep(5, x[3], 300, x=x)
+    logp, ent, grads, res = _serve(*x, route=route, keep=keep, vime_mode="strict")
+    _check(logp, ent, grads, _oracle(*x, keep=keep), "float32", f"masked {route}")
+    assert res.provenance["route"] == ("logits" if route == "logits" else "fused") and res.provenance["top_p_mask"]
+    assert res.provenance["logits_used"] is (route == "logits")
     assert "topp=mask" in res.contract_id
     # the target outside its nucleus: -inf, as vime's native path
     keep[1, x[3][1]] = False
-    logp, *_ = _serve(*x, route="logits", keep=keep)
-    assert logp[1, 0] == float("-inf")
+    logp, *_ = _serve(*x, route=route, keep=keep)
+    assert logp[1, 0] == float("-inf") and torch.isfinite(logp[2:]).all()
 
 
-def test_top_p_mask_without_logits_is_unavailable(monkeypatch):
-    x = _inputs(6, dtype="float32")
-    keep = _keep(7, x[3], 300)
-    h, w, b = _leaves(*x[:3])
-    req = vime_side.request(x[3], hidden=h, weight=w, bias=b, keep_mask=keep, logits=None)
-    with pytest.raises(vime.ProviderUnavailable, match="keep mask") as err:
-        vime.provider(req)
-    assert err.value.linear_logp_provider_unavailable is True
-    with pytest.raises(RuntimeError, match="unavailable"):  # vime strict raises on the marker
-        vime_side.compute(req, vime_mode="strict")
-    monkeypatch.setenv("RLK_MODE", "strict")  # ours strict: no marker, fails in vime's auto too
-    with pytest.raises(vime.StrictUnavailable):
-        vime_side.compute(req, vime_mode="auto")
-    assert vime.stats()["unavailable_total"] == 3
+@pytest.mark.parametrize("mode", ["auto", "strict", "audit"])
+def test_top_p_mask_with_only_the_context_is_served_fused(monkeypatch, mode):
+    """A masked request with the context and no logits (unavailable before the kernels took the
+    mask): every mode serves it, in vime's auto and strict alike."""
+    monkeypatch.setenv("RLK_MODE", mode)
+    x = _inputs(6, n=33, dtype="bfloat16", temp="tensor")
+    keep = _keep(7, x[3], 300, x=x)
+    for vime_mode in ("auto", "strict"):
+        logp, ent, grads, res = _serve(*x, route="context", keep=keep, vime_mode=vime_mode)
+        _check(logp, ent, grads, _oracle(*x, keep=keep), "bfloat16", f"{mode} masked context")
+        assert res.backend_id == "rlk.fused.cpu"
+    assert vime.stats()["unavailable_total"] == 0
 
 
 def test_vime_auto_falls_back_on_the_marker_only():

@@ -42,6 +42,7 @@ class Args:
     rank: int
     tp_group: Any
     out_shape: tuple
+    keep: Any = None             # [n, v_local] bool (a top-p nucleus) or None
 
     @property
     def n(self) -> int:
@@ -130,8 +131,18 @@ def tp_layout(tp_group, v_local: int, vocab_start) -> tuple[int, int, int]:
     return tp, rank, int(vocab_start)
 
 
+def check_keep_mask(keep_mask, ts: tuple, v_local: int, hidden) -> None:
+    """A top-p nucleus: a bool tensor shaped targets' shape + (V_local,), on hidden's device."""
+    ks = _tensor(keep_mask, "keep_mask")
+    if keep_mask.dtype != torch.bool:
+        raise TypeError(f"keep_mask must be a bool tensor, got {keep_mask.dtype}")
+    if ks != (*ts, v_local):
+        raise ValueError(f"keep_mask must be shaped like targets plus this shard's vocab, {(*ts, v_local)}, got {ks}")
+    _same_device(keep_mask, hidden, "keep_mask")
+
+
 def parse(hidden, weight, targets, *, bias, temperature, ignore_index, vocab_start, real_vocab_size,
-          tp_group) -> Args:
+          tp_group, keep_mask=None) -> Args:
     ts = check_tensors(hidden, weight, targets, bias)
     hs = tuple(hidden.shape)
     ignore_index = common.check_ignore_index(ignore_index)
@@ -145,6 +156,8 @@ def parse(hidden, weight, targets, *, bias, temperature, ignore_index, vocab_sta
         temp, temp_is_array = temperature.to(F32).expand(ts).reshape(n), True
 
     v_local = weight.shape[0]
+    if keep_mask is not None:
+        check_keep_mask(keep_mask, ts, v_local, hidden)
     tp, rank, vocab_start = tp_layout(tp_group, v_local, vocab_start)
     v_global = v_local * tp
     real = common.real_vocab(real_vocab_size, v_global)
@@ -152,7 +165,8 @@ def parse(hidden, weight, targets, *, bias, temperature, ignore_index, vocab_sta
     return Args(hidden=hidden.reshape(n, hs[-1]), weight=weight, bias=bias,
                 targets=int32_targets(targets.reshape(n), rule), temperature=temp, temperature_is_array=temp_is_array,
                 ignore_index=rule.ignore, vocab_start=int(vocab_start), real_vocab=int(real),
-                v_global=int(v_global), tp=int(tp), rank=int(rank), tp_group=tp_group, out_shape=ts)
+                v_global=int(v_global), tp=int(tp), rank=int(rank), tp_group=tp_group, out_shape=ts,
+                keep=None if keep_mask is None else keep_mask.reshape(n, v_local))
 
 
 def _signed(t: torch.Tensor) -> torch.Tensor:

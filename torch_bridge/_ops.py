@@ -3,12 +3,21 @@
 Low-level ops, one per compiled entry point (used by the tensor-parallel path, which puts
 collectives between them):
   rlk::forward_stats          per-(row, canonical chunk) statistics, the local target logit and,
-                              with keep_logits, this shard's kept buffer for the fast backward
-  rlk::combine                all chunks' statistics -> logp, entropy, m, log_s (fixed chunk order)
+                              with keep_logits, this shard's kept buffer for the fast backward;
+                              with a nucleus, its per-chunk kept sums
+  rlk::combine                all chunks' statistics -> logp, entropy, m, log_s (fixed chunk order),
+                              and log_s_keep with the kept sums
   rlk::linear_logp_backward   dH (this shard's partial: f32; the whole vocab's: dtype), dW, db (f32), dtemperature (partial)
 and the fused single-shard forward op, with its autograd (LinearLogp), traceable by
 torch.compile(fullgraph=True):
-  rlk::linear_logp            (logp, entropy, m, log_s, kept buffer); backward through rlk::linear_logp_backward
+  rlk::linear_logp            (logp, entropy, m, log_s, kept buffer, log_s_keep); backward through
+                              rlk::linear_logp_backward
+
+A nucleus (`keep`, a top-p keep mask: bool [n, V_local], this shard's slice) makes logp that of the
+softmax over the kept ids (on every shard) and leaves the entropy unmasked; the kernels read it as
+uint8 and keep no [n, V] float buffer for it (docs/design.md §12). The CPU kernels take
+it; the CUDA kernels refuse it ("keep mask not supported yet"). Without one, the ops carry an empty
+[0] tensor for its outputs (keep_sum, log_s_keep).
 The forward and combine calls also come as plain functions writing into caller-owned buffers
 (forward_into, combine_to): the rollout path (torch_bridge.rollout) allocates nothing.
 
@@ -102,92 +111,117 @@ def _temp(temperature: Tensor) -> Tensor:
     return temperature.detach().to(F32).contiguous()
 
 
+def _keep(keep: Optional[Tensor]) -> Optional[Tensor]:
+    """The nucleus as the kernels read it: uint8 [n, V_local] (bool viewed, no copy when contiguous)."""
+    return None if keep is None else keep.detach().contiguous().view(torch.uint8)
+
+
+def _keep_sum_like(hidden: Tensor, v: int, chunk: int, keep: Optional[Tensor]) -> Tensor:
+    """The kept sums: f32 [n, v/chunk] with a nucleus, else the empty [0]."""
+    shape = (hidden.shape[0], v // chunk) if keep is not None else (0,)
+    return hidden.new_empty(shape, dtype=F32)
+
+
 # ---- rlk::forward_stats ---------------------------------------------------------------------------
 
 def _forward_stats(hidden, weight, bias, targets, temperature, vocab_start, real_vocab, chunk, ignore_index,
-                   with_entropy, keep_logits, combine_into=()):
-    """(stats, target_logit, kept buffer); with combine_into = (logp, entropy, m, log_s) (a call over
-    the whole vocab) the same C++ call also combines the statistics into them."""
+                   with_entropy, keep_logits, keep=None, combine_into=(), log_s_keep=None):
+    """(stats, target_logit, kept buffer, keep_sum); with combine_into = (logp, entropy, m, log_s) (a
+    call over the whole vocab) the same C++ call also combines the statistics into them (and, with a
+    nucleus, into log_s_keep)."""
     n, v = hidden.shape[0], weight.shape[0]
     if chunk <= 0 or v % chunk:
         raise ValueError(f"chunk {chunk} must divide the local vocab {v}")
     stats = torch.empty((n, v // chunk, W), dtype=F32, device=hidden.device)
     tl = torch.empty((n,), dtype=F32, device=hidden.device)
     logits = _logits_like(hidden, v, chunk, keep_logits)
+    keep_sum = _keep_sum_like(hidden, v, chunk, keep)
     if n == 0:
-        return stats, tl, logits
+        return stats, tl, logits, keep_sum
     forward_into(hidden, weight, bias, targets, _temp(temperature), stats, tl, logits if keep_logits else None,
                  _workspace(hidden, v, chunk, bias is not None, with_entropy, "forward"), vocab_start, real_vocab,
-                 chunk, ignore_index, with_entropy, combine_into)
-    return stats, tl, logits
+                 chunk, ignore_index, with_entropy, combine_into, keep=keep,
+                 keep_sum=keep_sum if keep is not None else None, log_s_keep=log_s_keep)
+    return stats, tl, logits, keep_sum
 
 
 def forward_into(hidden, weight, bias32, targets, temperature32, stats, tl, logits, workspace, vocab_start,
-                 real_vocab, chunk, ignore_index, with_entropy, combine_into=()) -> None:
+                 real_vocab, chunk, ignore_index, with_entropy, combine_into=(), *, keep=None, keep_sum=None,
+                 log_s_keep=None) -> None:
     """The compiled forward writing into buffers the caller owns (the rollout path allocates nothing):
     stats [n, v/chunk, W] f32, tl [n] f32, logits (kept) or None, workspace (CUDA scratch bytes) or
     None; with combine_into = (logp, entropy, m, log_s) the same call combines the whole vocab into them.
+    keep: a nucleus (bool [n, v]) with keep_sum [n, v/chunk] f32 and, combining, log_s_keep [n] f32.
     temperature32 [n] f32 contiguous, targets [n] int32; a non-contiguous input is copied (allocates)."""
     with _on(hidden):
         core.forward(_c(hidden), _c(weight), _c(bias32), _c(targets), temperature32, stats, tl, logits, workspace,
                      int(vocab_start), int(real_vocab), int(chunk), int(ignore_index), bool(with_entropy),
-                     _stream(hidden), *combine_into)
+                     _stream(hidden), *combine_into, keep=_keep(keep), keep_sum=keep_sum, log_s_keep=log_s_keep)
 
 
-def combine_to(stats, target_logit, targets, logp, ent, m, log_s, real_vocab, ignore_index) -> None:
-    """rlk::combine writing into the caller's [n] f32 buffers (logp, entropy, m, log_s)."""
+def combine_to(stats, target_logit, targets, logp, ent, m, log_s, real_vocab, ignore_index, keep_sum=None,
+               log_s_keep=None) -> None:
+    """rlk::combine writing into the caller's [n] f32 buffers (logp, entropy, m, log_s; with the kept
+    sums keep_sum [n, chunks], the nucleus's logp and log_s_keep)."""
     with _on(stats):
         core.combine(_c(stats), _c(target_logit), _c(targets), logp, ent, m, log_s, int(real_vocab),
-                     int(ignore_index), _stream(stats))
+                     int(ignore_index), _stream(stats), keep_sum=_c(keep_sum), log_s_keep=log_s_keep)
 
 
 @torch.library.custom_op("rlk::forward_stats", mutates_args=())
 def forward_stats(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], targets: Tensor, temperature: Tensor,
                   vocab_start: int, real_vocab: int, chunk: int, ignore_index: int, with_entropy: bool,
-                  keep_logits: bool) -> Tuple[Tensor, Tensor, Tensor]:
-    """(stats [n, v/chunk, 3] f32, target_logit [n] f32 (0 unless the target is in this shard),
-    kept buffer uint8 [kept_bytes] or [0])."""
+                  keep_logits: bool, keep: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(stats [n, v/chunk, 3] f32, target_logit [n] f32 (0 unless the target is in this shard; with
+    keep, -inf when it is outside the nucleus), kept buffer uint8 [kept_bytes] or [0], keep_sum
+    [n, v/chunk] f32 (the nucleus's sum of exp(z - m_chunk) per chunk) or [0] without keep)."""
     return _forward_stats(hidden, weight, bias, targets, temperature, vocab_start, real_vocab, chunk, ignore_index,
-                          with_entropy, keep_logits)
+                          with_entropy, keep_logits, keep)
 
 
 @forward_stats.register_fake
 def _(hidden, weight, bias, targets, temperature, vocab_start, real_vocab, chunk, ignore_index, with_entropy,
-      keep_logits):
+      keep_logits, keep=None):
     n, v = hidden.shape[0], weight.shape[0]
     return (hidden.new_empty((n, v // chunk, W), dtype=F32), hidden.new_empty((n,), dtype=F32),
-            _logits_like(hidden, v, chunk, keep_logits))
+            _logits_like(hidden, v, chunk, keep_logits), _keep_sum_like(hidden, v, chunk, keep))
 
 
 # ---- rlk::combine ---------------------------------------------------------------------------------
 
-def _combine(stats, target_logit, targets, real_vocab, ignore_index):
+def _log_s_keep_like(t: Tensor, keep_given: bool) -> Tensor:
+    return t.new_empty((t.shape[0] if keep_given else 0,), dtype=F32)
+
+
+def _combine(stats, target_logit, targets, real_vocab, ignore_index, keep_sum):
     n = stats.shape[0]
     out = tuple(torch.empty((n,), dtype=F32, device=stats.device) for _ in range(4))
-    if n == 0:
-        return out
-    combine_to(stats, target_logit, targets, *out, real_vocab, ignore_index)
-    return out
+    log_s_keep = _log_s_keep_like(stats, keep_sum is not None)
+    if n:
+        combine_to(stats, target_logit, targets, *out, real_vocab, ignore_index, keep_sum,
+                   log_s_keep if keep_sum is not None else None)
+    return (*out, log_s_keep)
 
 
 @torch.library.custom_op("rlk::combine", mutates_args=())
-def combine(stats: Tensor, target_logit: Tensor, targets: Tensor, real_vocab: int,
-            ignore_index: int) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(logp, entropy, m, log_s) [n] f32: m the row max, log_s = log sum exp(z - m) (lse = m + log_s),
-    what the backward takes."""
-    return _combine(stats, target_logit, targets, real_vocab, ignore_index)
+def combine(stats: Tensor, target_logit: Tensor, targets: Tensor, real_vocab: int, ignore_index: int,
+            keep_sum: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(logp, entropy, m, log_s, log_s_keep) [n] f32: m the row max, log_s = log sum exp(z - m)
+    (lse = m + log_s), what the backward takes; with keep_sum [n, chunks] (every chunk's kept sums)
+    logp is over the nucleus and log_s_keep = log sum_kept exp(z - m), else log_s_keep is [0]."""
+    return _combine(stats, target_logit, targets, real_vocab, ignore_index, keep_sum)
 
 
 @combine.register_fake
-def _(stats, target_logit, targets, real_vocab, ignore_index):
+def _(stats, target_logit, targets, real_vocab, ignore_index, keep_sum=None):
     n = stats.shape[0]
-    return tuple(stats.new_empty((n,), dtype=F32) for _ in range(4))
+    return (*(stats.new_empty((n,), dtype=F32) for _ in range(4)), _log_s_keep_like(stats, keep_sum is not None))
 
 
 # ---- rlk::linear_logp_backward --------------------------------------------------------------------
 
 def _backward(hidden, weight, bias, targets, temperature, m, log_s, entropy, g, e, logits, vocab_start, real_vocab,
-              chunk, ignore_index, dhidden_f32):
+              chunk, ignore_index, dhidden_f32, keep, log_s_keep):
     n, h, v = hidden.shape[0], hidden.shape[1], weight.shape[0]
     kept = _kept(logits, hidden, v, chunk)
     dev = hidden.device
@@ -206,7 +240,8 @@ def _backward(hidden, weight, bias, targets, temperature, m, log_s, entropy, g, 
                       db if bias is not None else None, dtemp,
                       _workspace(hidden, v, chunk, bias is not None, with_entropy,
                                  "lean" if kept is None else "fast", dhidden_f32),
-                      int(vocab_start), int(real_vocab), int(chunk), int(ignore_index), _stream(hidden))
+                      int(vocab_start), int(real_vocab), int(chunk), int(ignore_index), _stream(hidden),
+                      keep=_keep(keep), log_s_keep=_c(log_s_keep) if keep is not None else None)
     return dh, dw, db, dtemp
 
 
@@ -214,20 +249,22 @@ def _backward(hidden, weight, bias, targets, temperature, m, log_s, entropy, g, 
 def linear_logp_backward(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], targets: Tensor,
                          temperature: Tensor, m: Tensor, log_s: Tensor, entropy: Optional[Tensor], g: Tensor,
                          e: Optional[Tensor], logits: Tensor, vocab_start: int, real_vocab: int, chunk: int,
-                         ignore_index: int, dhidden_f32: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+                         ignore_index: int, dhidden_f32: bool, keep: Optional[Tensor] = None,
+                         log_s_keep: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """(dhidden [n, h] partial over this shard's vocab, dweight [v, h] in weight's dtype,
     dbias [v] f32 ([0] without bias), dtemperature [n] f32 partial).
     dhidden is f32 with dhidden_f32 (a vocab shard's part, to be summed over shards), else in
     hidden's dtype, rounded once from the f32 sum (no f32 [n, h] buffer).
     m, log_s: the combine's (the row max and log sum exp(z - m)).
-    logits: the forward's kept buffer (fast; overwritten on CUDA) or an empty [0] tensor (lean)."""
+    logits: the forward's kept buffer (fast; overwritten on CUDA) or an empty [0] tensor (lean).
+    keep (the forward's nucleus) with log_s_keep (the combine's): the gradient of the nucleus's logp."""
     return _backward(hidden, weight, bias, targets, temperature, m, log_s, entropy, g, e, logits, vocab_start,
-                     real_vocab, chunk, ignore_index, dhidden_f32)
+                     real_vocab, chunk, ignore_index, dhidden_f32, keep, log_s_keep)
 
 
 @linear_logp_backward.register_fake
 def _(hidden, weight, bias, targets, temperature, m, log_s, entropy, g, e, logits, vocab_start, real_vocab, chunk,
-      ignore_index, dhidden_f32):
+      ignore_index, dhidden_f32, keep=None, log_s_keep=None):
     n, h, v = hidden.shape[0], hidden.shape[1], weight.shape[0]
     return (hidden.new_empty((n, h), dtype=F32 if dhidden_f32 else hidden.dtype), weight.new_empty((v, h)),
             hidden.new_empty((v if bias is not None else 0,), dtype=F32), hidden.new_empty((n,), dtype=F32))
@@ -238,23 +275,28 @@ def _(hidden, weight, bias, targets, temperature, m, log_s, entropy, g, e, logit
 @torch.library.custom_op("rlk::linear_logp", mutates_args=())
 def linear_logp(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], targets: Tensor, temperature: Tensor,
                 real_vocab: int, chunk: int, ignore_index: int, with_entropy: bool,
-                keep_logits: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """(logp, entropy, m, log_s, logits): [n] f32 each, entropy zeros unless with_entropy, m and
-    log_s the row's max and log sum exp(z - m) (the backward's), and the kept buffer for the fast
-    backward ([0] unless keep_logits). No autograd of its own: see LinearLogp."""
+                keep_logits: bool, keep: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor,
+                                                                          Tensor]:
+    """(logp, entropy, m, log_s, logits, log_s_keep): [n] f32 each, entropy zeros unless with_entropy,
+    m and log_s the row's max and log sum exp(z - m) (the backward's), the kept buffer for the fast
+    backward ([0] unless keep_logits), and with a nucleus `keep` (logp over it) its log_s_keep (else
+    [0]). No autograd of its own: see LinearLogp."""
     logp, ent, m, log_s = (torch.empty((hidden.shape[0],), dtype=F32, device=hidden.device) for _ in range(4))
-    _, _, logits = _forward_stats(hidden, weight, bias, targets, temperature, 0, real_vocab, chunk, ignore_index,
-                                  with_entropy, keep_logits, combine_into=(logp, ent, m, log_s))
+    log_s_keep = _log_s_keep_like(hidden, keep is not None)
+    _, _, logits, _ = _forward_stats(hidden, weight, bias, targets, temperature, 0, real_vocab, chunk, ignore_index,
+                                     with_entropy, keep_logits, keep, combine_into=(logp, ent, m, log_s),
+                                     log_s_keep=log_s_keep if keep is not None else None)
     if not with_entropy:
         ent.zero_()
-    return logp, ent, m, log_s, logits
+    return logp, ent, m, log_s, logits, log_s_keep
 
 
 @linear_logp.register_fake
-def _(hidden, weight, bias, targets, temperature, real_vocab, chunk, ignore_index, with_entropy, keep_logits):
+def _(hidden, weight, bias, targets, temperature, real_vocab, chunk, ignore_index, with_entropy, keep_logits,
+      keep=None):
     n = hidden.shape[0]
     return (*(hidden.new_empty((n,), dtype=F32) for _ in range(4)),
-            _logits_like(hidden, weight.shape[0], chunk, keep_logits))
+            _logits_like(hidden, weight.shape[0], chunk, keep_logits), _log_s_keep_like(hidden, keep is not None))
 
 
 class KeptLogits:
@@ -300,11 +342,11 @@ class LinearLogp(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, bias32, temperature, targets, real_vocab: int, chunk: int, ignore_index: int,
-                with_entropy: bool, keep_logits: bool):
-        logp, ent, m, log_s, logits = torch.ops.rlk.linear_logp(hidden, weight, bias32, targets, temperature,
-                                                                real_vocab, chunk, ignore_index, with_entropy,
-                                                                keep_logits)
-        ctx.save_for_backward(hidden, weight, bias32, temperature, targets, m, log_s, ent, logits)
+                with_entropy: bool, keep_logits: bool, keep: Optional[Tensor] = None):
+        logp, ent, m, log_s, logits, log_s_keep = torch.ops.rlk.linear_logp(
+            hidden, weight, bias32, targets, temperature, real_vocab, chunk, ignore_index, with_entropy, keep_logits,
+            keep)
+        ctx.save_for_backward(hidden, weight, bias32, temperature, targets, m, log_s, ent, logits, keep, log_s_keep)
         ctx.cfg = (real_vocab, chunk, ignore_index, with_entropy)
         KeptLogits.setup(ctx, keep_logits)
         return logp, ent
@@ -312,13 +354,14 @@ class LinearLogp(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g, e):
         KeptLogits.claim(ctx)
-        hidden, weight, bias32, temperature, targets, m, log_s, ent, logits = ctx.saved_tensors
+        hidden, weight, bias32, temperature, targets, m, log_s, ent, logits, keep, log_s_keep = ctx.saved_tensors
         real_vocab, chunk, ignore_index, with_entropy = ctx.cfg
         g = torch.zeros_like(m) if g is None else g.contiguous()
         if with_entropy:
             e = torch.zeros_like(m) if e is None else e.contiguous()
         dh, dw, db, dtemp = torch.ops.rlk.linear_logp_backward(
             hidden, weight, bias32, targets, temperature, m, log_s, ent if with_entropy else None, g,
-            e if with_entropy else None, KeptLogits.for_backward(ctx, logits), 0, real_vocab, chunk, ignore_index, False)
+            e if with_entropy else None, KeptLogits.for_backward(ctx, logits), 0, real_vocab, chunk, ignore_index, False,
+            keep, log_s_keep if keep is not None else None)
         return (dh, dw, (db if bias32 is not None else None), dtemp, None, None, None, None, None,
-                None)
+                None, None)

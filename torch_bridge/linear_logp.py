@@ -27,7 +27,7 @@ F32 = torch.float32
 
 def linear_logp(hidden, weight, targets, *, bias=None, temperature=1.0, ignore_index=-100, return_entropy=False,
                 vocab_start=None, real_vocab_size=None, tp_group=None, mode=None, reduce_grad_hidden=True,
-                validate_targets=True, backward="auto", backward_memory_budget=None):
+                validate_targets=True, backward="auto", backward_memory_budget=None, keep_mask=None):
     """Selected-token log-probabilities (and optionally entropies) of `hidden @ weight.T (+ bias)`.
 
     hidden [..., H] (bf16, fp16 or fp32), weight [V, H] (same dtype), bias [V] (same dtype) or None,
@@ -50,11 +50,16 @@ def linear_logp(hidden, weight, targets, *, bias=None, temperature=1.0, ignore_i
     fast's kept buffer serves one backward (CUDA overwrites it): a second backward through the
     same forward (retain_graph=True) raises; pass "lean" for that. Nothing is kept when no
     gradient is needed.
+    keep_mask: a top-p nucleus, bool [..., V_local] (targets' shape, then this rank's vocab shard), or
+    None: logp is renormalized over each row's kept ids (-inf for a target outside them, NaN for a row
+    that keeps nothing), the entropy stays that of the whole distribution; gradients of both. The
+    CPU kernels take it in the fused pass (no [n, V] float buffer); the CUDA kernels do not yet
+    (RuntimeError "keep mask not supported yet"; mode "off" runs the reference).
     """
     mode = routes.resolve_mode(mode)
     return_entropy = common.check_flag("return_entropy", return_entropy)
     a = parse(hidden, weight, targets, bias=bias, temperature=temperature, ignore_index=ignore_index,
-              vocab_start=vocab_start, real_vocab_size=real_vocab_size, tp_group=tp_group)
+              vocab_start=vocab_start, real_vocab_size=real_vocab_size, tp_group=tp_group, keep_mask=keep_mask)
     keep_logits = resolve_backward(backward, a.n, a.weight.shape[0], a.chunk, a.hidden.dtype, a.hidden.device,
                                    backward_memory_budget) == "fast" and _needs_grad(a)
     eager = not torch.compiler.is_compiling()
@@ -97,11 +102,11 @@ def fused_rows(a: Args, with_entropy: bool, reduce_grad_hidden: bool = True, kee
     bias = None if a.bias is None else a.bias.to(F32)  # the kernels take the bias in fp32
     if a.tp_group is None:
         return _ops.LinearLogp.apply(a.hidden, a.weight, bias, a.temperature, a.targets, a.real_vocab, a.chunk,
-                                     a.ignore_index, with_entropy, keep_logits)
+                                     a.ignore_index, with_entropy, keep_logits, a.keep)
     cfg = _TPConfig(vocab_start=a.vocab_start, real_vocab=a.real_vocab, v_global=a.v_global, chunk=a.chunk,
                     ignore_index=a.ignore_index, with_entropy=with_entropy, group=a.tp_group,
                     reduce_grad_hidden=reduce_grad_hidden, keep_logits=keep_logits)
-    return _VocabParallel.apply(a.hidden, a.weight, bias, a.temperature, a.targets, cfg)
+    return _VocabParallel.apply(a.hidden, a.weight, bias, a.temperature, a.targets, a.keep, cfg)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,30 +122,39 @@ class _TPConfig:
     keep_logits: bool
 
 
-def tp_forward(hidden, weight, bias32, temperature, targets, cfg: _TPConfig):
-    """(logp, entropy, m, log_s) of one rank's shard, the statistics combined over cfg.group, and
-    the shard's kept buffer ([0] unless cfg.keep_logits)."""
+def tp_forward(hidden, weight, bias32, temperature, targets, keep, cfg: _TPConfig):
+    """(logp, entropy, m, log_s, log_s_keep) of one rank's shard, the statistics (and with a nucleus
+    `keep` its kept sums) combined over cfg.group, and the shard's kept buffer ([0] unless
+    cfg.keep_logits)."""
     import torch.distributed as dist
-    stats, tl, logits = torch.ops.rlk.forward_stats(hidden, weight, bias32, targets, temperature, cfg.vocab_start,
-                                                    cfg.real_vocab, cfg.chunk, cfg.ignore_index, cfg.with_entropy,
-                                                    cfg.keep_logits)
+    stats, tl, logits, keep_sum = torch.ops.rlk.forward_stats(
+        hidden, weight, bias32, targets, temperature, cfg.vocab_start, cfg.real_vocab, cfg.chunk, cfg.ignore_index,
+        cfg.with_entropy, cfg.keep_logits, keep)
     n, k_local, w = stats.shape
-    off = cfg.vocab_start // cfg.chunk
-    full = stats.new_zeros((n, cfg.v_global // cfg.chunk, w))
-    full[:, off:off + k_local] = stats
-    # O(n * chunks) floats: every rank ends with the same statistics (sums of one value and zeros).
+    k, off = cfg.v_global // cfg.chunk, cfg.vocab_start // cfg.chunk
+    # One buffer: the statistics [n, k, w], then (with a nucleus) the kept sums [n, k], each shard's
+    # at its chunks' offset. O(n * chunks) floats: every rank ends with the same values (sums of one
+    # value and zeros).
+    kw = k * w
+    full = stats.new_zeros((n, kw + (k if keep is not None else 0)))
+    full[:, off * w:(off + k_local) * w] = stats.reshape(n, k_local * w)
+    if keep is not None:
+        full[:, kw + off:kw + off + k_local] = keep_sum
     dist.all_reduce(full, op=dist.ReduceOp.SUM, group=cfg.group)
     dist.all_reduce(tl, op=dist.ReduceOp.SUM, group=cfg.group)
-    return (*torch.ops.rlk.combine(full, tl, targets, cfg.real_vocab, cfg.ignore_index), logits)
+    full_stats = full[:, :kw].reshape(n, k, w)
+    full_keep = full[:, kw:].contiguous() if keep is not None else None
+    return (*torch.ops.rlk.combine(full_stats.contiguous(), tl, targets, cfg.real_vocab, cfg.ignore_index, full_keep),
+            logits)
 
 
 class _VocabParallel(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias32, temperature, targets, cfg: _TPConfig):
-        logp, ent, m, log_s, logits = tp_forward(hidden, weight, bias32, temperature, targets, cfg)
+    def forward(ctx, hidden, weight, bias32, temperature, targets, keep, cfg: _TPConfig):
+        logp, ent, m, log_s, log_s_keep, logits = tp_forward(hidden, weight, bias32, temperature, targets, keep, cfg)
         if not cfg.with_entropy:
             ent = torch.zeros_like(logp)
-        ctx.save_for_backward(hidden, weight, bias32, temperature, targets, m, log_s, ent, logits)
+        ctx.save_for_backward(hidden, weight, bias32, temperature, targets, m, log_s, ent, logits, keep, log_s_keep)
         ctx.cfg = cfg
         _ops.KeptLogits.setup(ctx, cfg.keep_logits)
         return logp, ent
@@ -149,7 +163,7 @@ class _VocabParallel(torch.autograd.Function):
     def backward(ctx, g, e):
         import torch.distributed as dist
         _ops.KeptLogits.claim(ctx)
-        hidden, weight, bias32, temperature, targets, m, log_s, ent, logits = ctx.saved_tensors
+        hidden, weight, bias32, temperature, targets, m, log_s, ent, logits, keep, log_s_keep = ctx.saved_tensors
         cfg = ctx.cfg
         g = torch.zeros_like(m) if g is None else g.contiguous()
         if cfg.with_entropy:
@@ -157,9 +171,10 @@ class _VocabParallel(torch.autograd.Function):
         dh, dw, db, dtemp = torch.ops.rlk.linear_logp_backward(
             hidden, weight, bias32, targets, temperature, m, log_s, ent if cfg.with_entropy else None, g,
             e if cfg.with_entropy else None, _ops.KeptLogits.for_backward(ctx, logits), cfg.vocab_start,
-            cfg.real_vocab, cfg.chunk, cfg.ignore_index, True)  # f32 partials: summed over the shards
+            cfg.real_vocab, cfg.chunk, cfg.ignore_index, True,  # f32 partials: summed over the shards
+            keep, log_s_keep if keep is not None else None)
         if cfg.reduce_grad_hidden and ctx.needs_input_grad[0]:
             dist.all_reduce(dh, op=dist.ReduceOp.SUM, group=cfg.group)
         if ctx.needs_input_grad[3]:
             dist.all_reduce(dtemp, op=dist.ReduceOp.SUM, group=cfg.group)
-        return dh.to(hidden.dtype), dw, (db if bias32 is not None else None), dtemp, None, None
+        return dh.to(hidden.dtype), dw, (db if bias32 is not None else None), dtemp, None, None, None

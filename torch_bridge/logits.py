@@ -103,7 +103,7 @@ def _combined(stats, tl, targets, cfg: _Cfg, chunk: int):
         tl = tl.clone()
         torch.distributed.all_reduce(tl, group=cfg.group)
         stats = full
-    logp, ent, m, log_s = torch.ops.rlk.combine(stats.contiguous(), tl.contiguous(), targets, cfg.real_vocab,
+    logp, ent, m, log_s, _ = torch.ops.rlk.combine(stats.contiguous(), tl.contiguous(), targets, cfg.real_vocab,
                                                 cfg.ignore_index)
     return logp, m + log_s, ent
 

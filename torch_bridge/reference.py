@@ -23,26 +23,30 @@ F32 = torch.float32
 
 def linear_logp(hidden, weight, targets, *, bias=None, temperature=1.0, ignore_index=-100, return_entropy=False,
                 vocab_start=None, real_vocab_size=None, tp_group=None, mode=None, reduce_grad_hidden=True,
-                validate_targets=False, backward="auto", backward_memory_budget=None):
+                validate_targets=False, backward="auto", backward_memory_budget=None, keep_mask=None):
     # accepted for signature parity; out-of-range ids give NaN rows here, autograd does the backward
     del mode, validate_targets, backward, backward_memory_budget
     a = parse(hidden, weight, targets, bias=bias, temperature=temperature, ignore_index=ignore_index,
-              vocab_start=vocab_start, real_vocab_size=real_vocab_size, tp_group=tp_group)
+              vocab_start=vocab_start, real_vocab_size=real_vocab_size, tp_group=tp_group, keep_mask=keep_mask)
     logp, ent = rows(a, return_entropy, reduce_grad_hidden=reduce_grad_hidden)
     logp = logp.reshape(a.out_shape)
     return (logp, ent.reshape(a.out_shape)) if return_entropy else logp
 
 
 def rows(a: Args, with_entropy: bool, reduce_grad_hidden: bool = True):
-    """logp and entropy ([n] f32 each; entropy zeros when not asked) of parsed arguments."""
+    """logp and entropy ([n] f32 each; entropy zeros when not asked) of parsed arguments; with a
+    nucleus (a.keep) logp over it, the entropy unmasked."""
     group = a.tp_group
     hidden = _dist.copy_to(a.hidden, group) if reduce_grad_hidden else a.hidden
     logits = _logits(hidden, a.weight)
     if a.bias is not None:
         logits = logits + a.bias.to(F32)
-    return logits_rows(logits, a.targets, _dist.copy_to(a.temperature, group), vocab_start=a.vocab_start,
-                       real_vocab=a.real_vocab, ignore_index=a.ignore_index, tp_group=group,
-                       with_entropy=with_entropy)
+    kw = dict(vocab_start=a.vocab_start, real_vocab=a.real_vocab, ignore_index=a.ignore_index, tp_group=group)
+    temperature = _dist.copy_to(a.temperature, group)
+    logp, ent = logits_rows(logits, a.targets, temperature, with_entropy=with_entropy, **kw)
+    if a.keep is not None:
+        logp, _ = logits_rows(logits.masked_fill(~a.keep, float("-inf")), a.targets, temperature, **kw)
+    return logp, ent
 
 
 def _logits(hidden, weight):

@@ -11,10 +11,11 @@ provenance).
 Routes, chosen per request:
 - "fused": the context (the output layer's input hidden [T, H], this rank's weight [V_local, H]
   and bias, the vocab partition) through our kernels; no logits. Used whenever the context is
-  there and usable, also when the request carries the logits too (provenance says so).
+  there and usable, also when the request carries the logits too (provenance says so). A top-p
+  keep mask goes into the kernels (CPU); the CUDA kernels take no mask yet, so on CUDA a masked
+  request takes the logits route, or is unavailable without logits.
 - "logits": the request's local logits through torch_bridge.logits (canonical-chunk statistics,
-  no second projection). Used without a usable context, and for a top-p keep mask (the fused
-  kernels take no mask yet).
+  no second projection). Used without a usable context.
 - "reference": materialized fp32 logits and log_softmax (mode off, and audit's comparison).
 Temperature, as vime means it: the request's logits are already divided by the rollout
 temperature (metadata["logits_are_temperature_scaled"], default True; False: divided here), the
@@ -210,11 +211,11 @@ def _read(request) -> _Req:
 def _fused_unavailable(r: _Req) -> Optional[str]:
     if r.hidden is None:
         return "no context"
-    if r.keep is not None:
-        return "a top-p keep mask (the fused kernels take no mask yet)"
     why = unsupported(r.hidden)
     if why is not None:
         return why
+    if r.keep is not None and r.hidden.device.type != "cpu":
+        return f"a top-p keep mask on {r.hidden.device.type} (the CUDA kernels take no mask yet)"
     if r.weight.dtype != r.hidden.dtype:
         return f"context weight dtype {r.weight.dtype} differs from hidden dtype {r.hidden.dtype}"
     return _partition_unsupported(r)
@@ -277,7 +278,7 @@ def _fused(r: _Req, sl: slice):
     out = linear_logp(r.hidden[sl], r.weight, r.targets[sl], bias=r.bias, temperature=_temp_rows(r, sl),
                       ignore_index=IGNORE_INDEX, return_entropy=r.with_entropy,
                       vocab_start=start if r.group is not None else None, real_vocab_size=real, tp_group=r.group,
-                      mode="strict")
+                      mode="strict", keep_mask=None if r.keep is None else r.keep[sl])
     return out if r.with_entropy else (out, None)
 
 

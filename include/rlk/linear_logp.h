@@ -13,6 +13,13 @@
 //   dlogit_j = dz_j * inv_temp_i ; dH = dlogit W ; dW = dlogit^T H ; db = sum_i dlogit
 //   dT_i   = -inv_temp_i * sum_j dz_j z_j
 //
+// A nucleus (the top-p keep mask of an RL rollout; FwdArgs::keep) renormalizes logp over the
+// row's kept ids K, on every shard, and leaves the entropy that of the whole distribution:
+//   log_s_keep_i = log sum_{j in K} exp(z_j - m_i) ;  logp_i = (z_{t_i} - m_i) - log_s_keep_i
+//   (-inf for a target outside K; NaN when the kept sum is 0: no kept id, or all underflow)
+//   dz_j   = g_i kept_j (delta_{j t_i} - exp((z_j - m_i) - log_s_keep_i)) + (the entropy term above)
+// m_i stays the max over all ids, so the unmasked statistics do not change bit for bit.
+//
 // Everything is formed from row-max-relative quantities (z - m, log_s), never from z - lse with lse
 // rounded at the magnitude of m: a logp near 0 keeps its own precision at any |z|.
 //
@@ -142,13 +149,28 @@ RLK_HD float reciprocal(float t) {
 #endif
 }
 
-// The row results: logp and entropy, and the row's m and log_s (the backward's p, see dz_of).
-struct RowResult { float logp, entropy, m, log_s; };
+// The row results: logp and entropy, and the row's m, log_s and log_s_keep (the backward's p and
+// nucleus p, see dz_of; log_s_keep = log_s without a nucleus).
+struct RowResult { float logp, entropy, m, log_s, log_s_keep; };
+
+// log sum_c exp(m_c - m) keep_sum_c over the k chunks in order: the row's kept sum relative to its
+// max m, from each chunk's kept sum relative to the chunk's max m_c (a chunk of only padding has
+// m_c = -inf and adds nothing; a NaN keeps the result NaN). A kept sum of 0 (an empty nucleus, or
+// every kept logit underflowing against m) gives NaN, not -inf: a logp formed from it would be
+// +inf, clamped to a plausible 0.
+RLK_HD float log_keep_sum(const float* stats, const float* keep_sum, int64_t k, float m) {
+  float s = 0.f;
+  for (int64_t c = 0; c < k; ++c)
+    if (keep_sum[c] != 0.f) s += expf(stats[c * kStatWidth] - m) * keep_sum[c];
+  return s == 0.f ? NAN : logf(s);
+}
 
 // Combine k chunk statistics of one row (stats: k * kStatWidth floats, chunk order) and the
-// target logit into a RowResult. Every backend and every TP degree calls this.
+// target logit into a RowResult. Every backend and every TP degree calls this. With keep_sum (k
+// floats, FwdArgs::keep_sum of every chunk) logp is over the nucleus, and target_logit is the
+// nucleus's (-inf for a target outside it, see FwdArgs).
 RLK_HD RowResult combine_row(const float* stats, int64_t k, float target_logit, int64_t target,
-                             int64_t real_vocab, int64_t ignore_index) {
+                             int64_t real_vocab, int64_t ignore_index, const float* keep_sum = nullptr) {
   float m = -INFINITY, s = 0.f, a = 0.f;
   for (int64_t c = 0; c < k; ++c)
     stats_merge(stats[c * kStatWidth], stats[c * kStatWidth + 1], stats[c * kStatWidth + 2], m, s, a);
@@ -156,10 +178,11 @@ RLK_HD RowResult combine_row(const float* stats, int64_t k, float target_logit, 
   r.m = m;
   r.log_s = logf(s);
   r.entropy = r.log_s - a / s;  // = lse - sum p z, without adding and removing m
+  r.log_s_keep = keep_sum ? log_keep_sum(stats, keep_sum, k, m) : r.log_s;
   // (z_t - m) - log_s: z_t - m is exact or rounded at its own magnitude, so a logp near 0 is not
   // rounded at |m|. The target's z is a separate dot, so it may exceed m by a rounding: logp <= 0
   // by a NaN-keeping clamp (fminf(NaN, 0) would be 0).
-  const float logp = (target_logit - m) - r.log_s;
+  const float logp = (target_logit - m) - r.log_s_keep;
   switch (classify_target(target, real_vocab, ignore_index)) {
     case TargetKind::kIgnored: r.logp = 0.f; r.entropy = 0.f; break;
     case TargetKind::kInvalid: r.logp = NAN; r.entropy = NAN; break;
@@ -180,32 +203,42 @@ RLK_HD float dz_of(float zm, float p, bool is_target, float log_s, float ent, fl
 //   in : hidden [n, h], weight [v, h] (dtype), bias [v] f32 (null when !has_bias; fp32 so that a
 //        frontend can also mask padding columns through it, whatever the dtype), targets [n] int32,
 //        temperature [n] f32 (> 0)
+//        keep [n, v] bytes (null: no nucleus), nonzero for the ids of row i's nucleus K on this
+//        shard (a vocab shard's slice of a row's top-p keep mask); padding is never kept
 //   out: stats [n, num_chunks, kStatWidth] f32; target_logit [n] f32 = z_t when the target is a
-//        real id of this shard, else 0 (so a sum over shards is exact); logits (null unless the
-//        fast backward will follow): kept_bytes(p, backend) bytes, whatever the backward of that
-//        backend needs in its own layout (see kept_bytes).
+//        real id of this shard (with keep: -inf when it is outside K), else 0 (so a sum over
+//        shards is exact); keep_sum [n, num_chunks] f32 (with keep) = sum_{j in K, chunk} exp(z_j -
+//        m_chunk), m_chunk the chunk's statistic m; logits (null unless the fast backward will
+//        follow): kept_bytes(p, backend) bytes, whatever the backward of that backend needs in its
+//        own layout (see kept_bytes).
 struct FwdArgs {
   const void* hidden = nullptr;
   const void* weight = nullptr;
   const float* bias = nullptr;
   const int32_t* targets = nullptr;
   const float* temperature = nullptr;
+  const uint8_t* keep = nullptr;
   float* stats = nullptr;
   float* target_logit = nullptr;
+  float* keep_sum = nullptr;
   void* logits = nullptr;
 };
 
 // Combine: all chunks of the global vocab (k of them) -> logp, entropy, m, log_s [n] f32 (m and
-// log_s: what the backward takes; each output may be null).
+// log_s: what the backward takes; each output may be null). With keep_sum (every shard's
+// FwdArgs::keep_sum at its chunks' offsets) logp is over the nucleus and log_s_keep [n] (may be
+// null) is the nucleus's, the backward's too.
 struct CombineArgs {
   int64_t n = 0, k = 0, real_vocab = 0, ignore_index = -100;
   const float* stats = nullptr;         // [n, k, kStatWidth]
   const float* target_logit = nullptr;  // [n]
   const int32_t* targets = nullptr;     // [n]
+  const float* keep_sum = nullptr;      // [n, k] or null
   float* logp = nullptr;
   float* entropy = nullptr;
   float* m = nullptr;
   float* log_s = nullptr;
+  float* log_s_keep = nullptr;
 };
 
 // Backward. Rows whose target is ignored or invalid get no gradient.
@@ -216,6 +249,7 @@ struct CombineArgs {
 //        f32 sum; no f32 [n, h] buffer leaves the backend), dweight [v, h] dtype,
 //        dbias [v] f32 (null when !has_bias), dtemp [n] f32 (may be null) = this shard's part of
 //        dT = -inv_temp * sum_j dz_j z_j (the frontends sum it over shards).
+//   With keep (the forward's, null: none) and the combine's log_s_keep [n], the nucleus's dz.
 //   Strategy: with `logits` (the forward's kept buffer, kept_bytes of the backend) the backward
 //   reads it instead of recomputing z ("fast"; the CUDA backend overwrites the buffer with dlogit,
 //   so it serves one backward); without, it recomputes z tile by tile ("lean").
@@ -230,6 +264,8 @@ struct BwdArgs {
   const float* entropy = nullptr;
   const float* g = nullptr;
   const float* e = nullptr;
+  const uint8_t* keep = nullptr;
+  const float* log_s_keep = nullptr;
   void* logits = nullptr;
   void* dhidden = nullptr;
   DType dhidden_dtype = DType::kF32;  // kF32 or the Problem's dtype
