@@ -1,6 +1,7 @@
 """The route log, once for both frontends and the vime provider: reference calls and tokens,
 fallbacks by reason, the route of the last eager call, and the audit of fused against reference
-logp; with the compiled module's per-backend counters, one schema (RouteLog.stats).
+logp; with the compiled module's per-backend counters, one schema (RouteLog.stats; the provider's
+RequestLog adds its requests as extra keys of it).
 
 numpy only: a frontend copies its arrays to the host and calls in when a call runs (JAX from a
 jax.debug.callback, torch from the op rlk::count_reference and eager code), never at trace time.
@@ -88,8 +89,9 @@ class AuditLog:
 
 
 class RouteLog:
-    """One frontend's host-side route log. Each frontend keeps its own; the per-backend counters
-    are the compiled module's, shared by every frontend in the process."""
+    """One frontend's host-side route log. Each frontend (and the vime provider, a RequestLog)
+    keeps its own; the per-backend counters are the compiled module's, shared by every log in the
+    process."""
 
     def __init__(self):
         self._lock = threading.Lock()
@@ -111,6 +113,11 @@ class RouteLog:
             if reason:
                 self._fallbacks[reason] += 1
 
+    def count_fallback(self, reason: str) -> None:
+        """One call that none of our paths served (the caller runs its own); `reason` why."""
+        with self._lock:
+            self._fallbacks[reason] += 1
+
     def note_backend(self, backend_id: str) -> None:
         """The route of the last eager call ("cpu", "cuda", "reference")."""
         with self._lock:
@@ -121,13 +128,24 @@ class RouteLog:
         return self.audit.record(*audit_diff(ours, ref))
 
     def stats(self, core) -> dict:
-        """Counters since the last reset:
-        - calls / tokens: all forward calls (fused forward kernel calls + reference calls);
-        - backends: fused kernel executions per backend, counted in C++ (COUNT_NAMES);
-        - reference: calls/tokens of the reference path (mode off and fallbacks);
-        - fallbacks: {reason: count}, fallback_total;
-        - backend_id: the route of the last eager call, None if none was noted;
-        - audit: AuditLog.summary()."""
+        """The route statistics' schema, since the last reset: rlk_xla.route_stats(),
+        torch_bridge.route_stats() and torch_bridge.vime.stats() (RequestLog) all return it.
+        - calls / tokens: forward calls (and their rows) over the fused kernels and this log's
+          reference: sum of backends' fwd_calls/fwd_tokens + reference's calls/tokens;
+        - backends: {backend: {COUNT_NAMES}}, fused kernel executions counted in C++ where they
+          run; the compiled module's, so shared by every log in the process;
+        - reference: calls/tokens of this log's reference path (mode off, and a frontend's
+          fallbacks; the audit's reference is not counted);
+        - fallbacks: {reason: count} of calls that did not run the fused kernels, and why (a
+          frontend ran its reference for them; the provider served none of its routes, so vime's
+          auto ran its native path), and fallback_total, their sum (0: every call was ours);
+        - backend_id: the route of the last eager call (frontends: "cpu", "cuda", "reference";
+          provider: its Result.backend_id, "rlk.<route>.<kernel>"), None if none was noted;
+        - audit: AuditLog.summary().
+        The vime provider's RequestLog adds:
+        - requests: calls/tokens of provider(request), served or not;
+        - backend_ids: {Result.backend_id: count} of the requests served;
+        - modes: {mode: count} of the requests."""
         backends = backend_counts(core)
         with self._lock:
             reference, fallbacks, backend_id = dict(self._reference), dict(self._fallbacks), self._backend_id
@@ -141,3 +159,32 @@ class RouteLog:
         core.reset_route_counts()
         self._clear()
         self.audit.reset()
+
+
+class RequestLog(RouteLog):
+    """The vime provider's route log: RouteLog's schema plus its requests (the extra keys
+    requests, backend_ids and modes of RouteLog.stats)."""
+
+    def _clear(self) -> None:
+        super()._clear()
+        with self._lock:
+            self._requests = {"calls": 0, "tokens": 0}
+            self._backend_ids: collections.Counter = collections.Counter()
+            self._modes: collections.Counter = collections.Counter()
+
+    def count_request(self, mode: str, tokens: int, backend_id: str | None) -> None:
+        """One request over `tokens` rows in `mode`, served as `backend_id` (None: not served; its
+        reason goes to count_fallback)."""
+        with self._lock:
+            self._requests["calls"] += 1
+            self._requests["tokens"] += int(tokens)
+            self._modes[mode] += 1
+            if backend_id is not None:
+                self._backend_ids[backend_id] += 1
+                self._backend_id = backend_id
+
+    def stats(self, core) -> dict:
+        out = super().stats(core)
+        with self._lock:
+            out.update(requests=dict(self._requests), backend_ids=dict(self._backend_ids), modes=dict(self._modes))
+        return out

@@ -1,12 +1,13 @@
-"""The route log (rlk_common.routes): one schema for both frontends, the audit's NaN and bitwise
-rules on hand-made rows, the p99 window's bound, and reset."""
+"""The route log (rlk_common.routes): one schema for both frontends and the vime provider (with
+its extra keys), the audit's NaN and bitwise rules on hand-made rows, the p99 window's bound, and
+reset."""
 import importlib
 
 import numpy as np
 import pytest
 
 from rlk_common import COUNT_NAMES
-from rlk_common.routes import AuditLog, RouteLog, audit_diff
+from rlk_common.routes import AuditLog, RequestLog, RouteLog, audit_diff
 
 F32_MIN_STEP = float(np.spacing(np.float32(1.0)))
 NAN_PAYLOAD = np.array([0x7FC00001], np.uint32).view(np.float32)[0]  # a NaN with other bits than np.nan
@@ -43,6 +44,17 @@ def test_both_frontends_return_the_common_schema(name):
     assert _keys(s) == _keys(RouteLog().stats(FakeCore({})))
     assert s["audit"]["p99_abs_dlogp"] == 0.0 and s["backend_id"] is None and s["calls"] == 0
     assert all(sorted(b) == sorted(COUNT_NAMES) for b in s["backends"].values())
+
+
+def test_the_vime_provider_returns_the_common_schema_and_its_extra_keys():
+    _frontend("torch_bridge")
+    from torch_bridge import vime
+    vime.reset_stats()
+    s = vime.stats()
+    common = RouteLog().stats(FakeCore({}))
+    assert _keys({k: v for k, v in s.items() if k in common}) == _keys(common)
+    assert sorted(set(s) - set(common)) == ["backend_ids", "modes", "requests"]
+    assert s["requests"] == {"calls": 0, "tokens": 0} and s["fallback_total"] == 0 and s["backend_id"] is None
 
 
 @pytest.mark.parametrize("name", ["rlk_xla", "torch_bridge"])
@@ -120,3 +132,21 @@ def test_route_log_counts_and_reset():
     assert (s["calls"], s["tokens"], s["backend_id"], s["fallbacks"], s["fallback_total"]) == (0, 0, None, {}, 0)
     assert s["reference"] == {"calls": 0, "tokens": 0} and s["backends"]["cpu"]["fwd_calls"] == 0
     assert s["audit"] == AuditLog().summary()
+
+
+def test_request_log_counts_requests_on_the_common_keys_and_resets():
+    core = FakeCore({"cpu": (1, 7, 0, 0, 0)})
+    log = RequestLog()
+    log.count_request("auto", 7, "rlk.fused.cpu")
+    log.count_fallback("no context")  # a request none of our routes served
+    log.count_request("auto", 4, None)
+    log.count_reference(3, None)      # mode off
+    log.count_request("off", 3, "rlk.reference.cpu")
+    s = log.stats(core)
+    assert s["requests"] == {"calls": 3, "tokens": 14} and s["modes"] == {"auto": 2, "off": 1}
+    assert s["backend_ids"] == {"rlk.fused.cpu": 1, "rlk.reference.cpu": 1} and s["backend_id"] == "rlk.reference.cpu"
+    assert s["fallbacks"] == {"no context": 1} and s["fallback_total"] == 1
+    assert s["reference"] == {"calls": 1, "tokens": 3} and (s["calls"], s["tokens"]) == (2, 10)
+    log.reset(core)
+    assert log.stats(core) == RequestLog().stats(core)
+    assert log.stats(core)["requests"] == {"calls": 0, "tokens": 0} and log.stats(core)["calls"] == 0

@@ -111,7 +111,9 @@ def test_every_mode_behind_vime(monkeypatch, mode, vime_mode, dtype):
     assert res.backend_id == f"rlk.{route}.cpu" and res.provenance["route"] == route
     assert res.provenance["tp_rank"] == 0 and res.provenance["cp_rank"] == 0
     assert res.provenance["logits_used"] is (mode == "off")
-    assert vime.stats()["backend_ids"] == {res.backend_id: 1}
+    s = vime.stats()
+    assert s["backend_ids"] == {res.backend_id: 1} and s["backend_id"] == res.backend_id and s["fallback_total"] == 0
+    assert s["reference"] == ({"calls": 1, "tokens": 45} if mode == "off" else {"calls": 0, "tokens": 0})
     if mode == "audit":
         assert vime.stats()["audit"]["rows"] == 45 and vime.stats()["audit"]["max_abs_dlogp"] < 1e-5
 
@@ -170,7 +172,7 @@ def test_top_p_mask_with_only_the_context_is_served_fused(monkeypatch, mode):
         logp, ent, grads, res = _serve(*x, route="context", keep=keep, vime_mode=vime_mode)
         _check(logp, ent, grads, _oracle(*x, keep=keep), "bfloat16", f"{mode} masked context")
         assert res.backend_id == "rlk.fused.cpu"
-    assert vime.stats()["unavailable_total"] == 0
+    assert vime.stats()["fallback_total"] == 0
 
 
 def test_vime_auto_falls_back_on_the_marker_only():
@@ -181,7 +183,9 @@ def test_vime_auto_falls_back_on_the_marker_only():
     sentinel = (torch.zeros(45, 1), torch.zeros(45))
     logp, ent, res = vime_side.compute(req, vime_mode="auto", native=lambda r: sentinel)
     assert res is None and logp is sentinel[0]
-    assert "float64" in next(iter(vime.stats()["unavailable"]))
+    s = vime.stats()
+    assert s["fallback_total"] == 1 and "float64" in next(iter(s["fallbacks"]))
+    assert s["requests"] == {"calls": 1, "tokens": 45} and s["backend_ids"] == {} and s["reference"]["calls"] == 0
     req.logits = _logits(h, w, b, 1.0)  # with the logits, the logits route serves it
     assert vime_side.compute(req, vime_mode="strict")[2].backend_id == "rlk.logits.cpu"
 
@@ -263,7 +267,7 @@ def test_kernel_errors_propagate(monkeypatch, mode):
     monkeypatch.setenv("RLK_MODE", mode)
     with pytest.raises(RuntimeError, match="simulated"):
         vime_side.compute(_request(), vime_mode="auto")
-    assert vime.stats()["unavailable_total"] == 0
+    assert vime.stats()["fallback_total"] == 0
 
 
 def test_entropy_flags_and_provenance():

@@ -45,7 +45,6 @@ auto and strict; audit compares on the host).
 """
 from __future__ import annotations
 
-import collections
 import dataclasses
 import logging
 import math
@@ -55,10 +54,11 @@ from typing import Any, Mapping, Optional
 import numpy as np
 import torch
 
-from rlk_common.routes import AuditLog
+from rlk_common.routes import RequestLog
 
 from . import reference, routes
 from ._args import chunk_of, unsupported
+from ._core import core
 from .linear_logp import linear_logp
 from .logits import logp_from_logits
 
@@ -398,24 +398,17 @@ def _provenance(r: _Req, mode: str, route: str, why: str, kernel, **extra) -> di
     return p
 
 
+_log = RequestLog()
 _lock = threading.Lock()
-_counts = {"calls": 0, "tokens": 0}
-_unavailable: collections.Counter = collections.Counter()
-_backends: collections.Counter = collections.Counter()
-_modes: collections.Counter = collections.Counter()
 _logged: set = set()
-_audit = AuditLog()
 
 
 def _note(mode: str, tokens: int, backend_id: Optional[str], contract: Optional[str], reason: Optional[str]) -> None:
+    """Count one request (served as backend_id, or not for `reason`) and log each new combination once."""
+    if reason is not None:
+        _log.count_fallback(reason)
+    _log.count_request(mode, tokens, backend_id)
     with _lock:
-        _counts["calls"] += 1
-        _counts["tokens"] += tokens
-        _modes[mode] += 1
-        if backend_id is not None:
-            _backends[backend_id] += 1
-        if reason is not None:
-            _unavailable[reason] += 1
         key = (mode, backend_id, contract, reason)
         new = key not in _logged
         _logged.add(key)
@@ -426,32 +419,24 @@ def _note(mode: str, tokens: int, backend_id: Optional[str], contract: Optional[
 
 
 def stats() -> dict:
-    """What to log per step: calls, tokens, unavailable (reason -> count: vime ran its native path
-    for these in auto), unavailable_total, calls per backend_id and per mode, and the audit summary
-    (|dlogp| mean/max/p99, bitwise-equal and mismatching rows)."""
-    with _lock:
-        out = {"calls": _counts["calls"], "tokens": _counts["tokens"], "unavailable": dict(_unavailable),
-               "unavailable_total": sum(_unavailable.values()), "backend_ids": dict(_backends),
-               "modes": dict(_modes)}
-    out["audit"] = _audit.summary()
-    return out
+    """What to log per step, since the last reset: the frontends' route statistics schema
+    (rlk_common.routes.RouteLog.stats) with the provider's extra keys requests, backend_ids and
+    modes. fallbacks / fallback_total: the requests none of our routes served (vime's auto ran its
+    native path for them); reference: mode off's requests; audit: the audit mode's comparisons."""
+    return _log.stats(core)
 
 
 def reset_stats() -> None:
-    """Zero the counters (the route log stays: a route is logged once per process)."""
-    with _lock:
-        _counts.update(calls=0, tokens=0)
-        _unavailable.clear()
-        _backends.clear()
-        _modes.clear()
-    _audit.reset()
+    """Zero the counters, the compiled module's too (as reset_route_stats does). The log lines
+    are not repeated after a reset: a combination is logged once per process."""
+    _log.reset(core)
 
 
 def _audit_compare(r: _Req, route: str, logp: torch.Tensor) -> dict:
     with torch.no_grad():
         ref, _ = _run(r, lambda sl: _reference(r, sl, False, _source(r, route)))
     d, equal = routes.audit_diff(logp, ref)
-    call = _audit.record(d, equal)
+    call = _log.audit.record(d, equal)
     bad = np.flatnonzero(~equal & ~(d <= AUDIT_MAX_ABS_DLOGP))
     if bad.size:
         i = int(bad[0])
@@ -471,6 +456,7 @@ def provider(request, mode: Optional[str] = None) -> Result:
     if mode == "off":
         route, why = "reference", "mode off"
         logp, ent = _run(r, lambda sl: _reference(r, sl, r.with_entropy, _source(r, route)))
+        _log.count_reference(r.n, None)
         kernel, extra = None, {}
     else:
         route, why = _route(r)
