@@ -49,6 +49,14 @@ def _cpu_row_bytes(v, chunk):
     return 4 * (6 * chunks + chunks * tiles + 1) + 2 * (v + v % 2)
 
 
+def _cuda_row_bytes(v, chunk):
+    """One row of the CUDA backend's 16-bit kept record: the fp32 head (4 moments per chunk, one max
+    per 128-column group of each chunk, the target logit, zeros up to a multiple of 64 floats),
+    then fp16 q for the v columns."""
+    chunks, groups = v // chunk, -(-chunk // 128)
+    return 4 * (-(-(4 * chunks + chunks * groups + 1) // 64) * 64) + 2 * v
+
+
 def test_kept_bytes_rule():
     n, v, chunk = 7, 300, 75
     assert kept_bytes(n, v, chunk, F32, CPU) == n * v * 4                   # z fp32, as the forward computed it
@@ -57,7 +65,8 @@ def test_kept_bytes_rule():
     assert kept_bytes(n, 301, 301, torch.bfloat16, CPU) == n * _cpu_row_bytes(301, 301)
     assert kept_bytes(n, v, chunk, torch.float64, CPU) == 0                 # the reference runs: nothing kept
     if _rlk_core.has_cuda:
-        assert kept_bytes(n, v, chunk, F16, torch.device("cuda")) == n * v * 2
+        assert kept_bytes(n, v, chunk, F32, torch.device("cuda")) == n * v * 4
+        assert kept_bytes(n, v, chunk, F16, torch.device("cuda")) == n * _cuda_row_bytes(v, chunk)
 
 
 def test_resolve_backward(monkeypatch):
