@@ -120,9 +120,9 @@ struct ChunkPos {
 // The group scales of the vector's kVec columns at pos (columns past the row: any value).
 __device__ __forceinline__ void vector_scales(const DlogitParams& q, const float* gmax, ChunkPos pos, float m,
                                               float log_s, GroupScale (&gs)[kVec]) {
-  const int64_t gpc = q.kept.groups_per_chunk, w = KeptLayout::kGroupCols;
+  const int64_t w = KeptLayout::kGroupCols;
   if (pos.off + kVec <= q.chunk && pos.off % w + kVec <= w) {  // one group (always, when chunk % 8 == 0)
-    const GroupScale one = group_scale(gmax, pos.c * gpc + pos.off / w, m, log_s);
+    const GroupScale one = group_scale(gmax, q.kept.group_at(pos.c, pos.off), m, log_s);
 #pragma unroll
     for (int k = 0; k < kVec; ++k) gs[k] = one;
     return;
@@ -131,7 +131,7 @@ __device__ __forceinline__ void vector_scales(const DlogitParams& q, const float
   for (int k = 0; k < kVec; ++k) {  // across a group or chunk start
     const bool next = pos.off + k >= q.chunk;
     const int64_t c = pos.c + (next ? 1 : 0), off = pos.off + k - (next ? q.chunk : 0);
-    gs[k] = c < q.kept.chunks ? group_scale(gmax, c * gpc + off / w, m, log_s) : GroupScale{0.f, 0.f};
+    gs[k] = c < q.kept.chunks ? group_scale(gmax, q.kept.group_at(c, off), m, log_s) : GroupScale{0.f, 0.f};
   }
 }
 

@@ -46,10 +46,10 @@ struct KeptLayout {
         floats((chunks * 4 + chunks * groups_per_chunk + 1 + 63) / 64 * 64) {}
   RLK_HD int64_t group_max_at() const { return chunks * 4; }  // offsets in a row's head
   RLK_HD int64_t z_target_at() const { return chunks * 4 + chunks * groups_per_chunk; }
+  // The group of the column at offset `off` of chunk `c`.
+  RLK_HD int64_t group_at(int64_t c, int64_t off) const { return c * groups_per_chunk + off / kGroupCols; }
   // The group of local column `col` in chunk `c` (col in [c * chunk, (c + 1) * chunk)).
-  RLK_HD int64_t group(int64_t c, int64_t col, int64_t chunk) const {
-    return c * groups_per_chunk + (col - c * chunk) / kGroupCols;
-  }
+  RLK_HD int64_t group(int64_t c, int64_t col, int64_t chunk) const { return group_at(c, col - c * chunk); }
 };
 inline bool kept_q(DType t) { return t != DType::kF32; }
 inline size_t kept_bytes(const Problem& p) {

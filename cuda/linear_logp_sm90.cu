@@ -81,7 +81,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     if constexpr (kEpi == Epi::kKeep)  // row A's group maxima from the unit's first group
       if (rowA < P.rows) {
         const int64_t c = u.cu / P.spc;
-        st.gmax = G.head + rowA * G.ld + G.group_max_at + c * G.groups_per_chunk + (u.col0 - c * P.chunk) / (kBN / 2);
+        st.gmax = G.head + rowA * G.layout.floats + G.layout.group_max_at() + G.layout.group(c, u.col0, P.chunk);
       }
     mma_unit<kBf16>(pl, u.ntiles, d, cw, lane, KB, [&](int t) {
       // ---- epilogue: a tile inside the chunk and the real vocab needs no padding mask ----
@@ -179,8 +179,7 @@ const char* sm90_forward_partials(const Problem& p, const void* hidden, int64_t 
   const int64_t units = P.row_tiles * P.nsplit;
   if (!kept_head) return launch<Epi::kStats>(p.dtype == DType::kBF16, ma, mb, mo, P, {}, units, stream);
   set_out(&P, &mo, CU_TENSOR_MAP_DATA_TYPE_FLOAT16, kept_q, p.v, p.v, p.chunk);
-  const KeptLayout L(p);
-  const KeepRows K{kept_head, L.floats, L.group_max_at(), L.groups_per_chunk};
+  const KeepRows K{kept_head, KeptLayout(p)};
   return launch<Epi::kKeep>(p.dtype == DType::kBF16, ma, mb, mo, P, K, units, stream);
 }
 

@@ -202,7 +202,7 @@ __device__ __forceinline__ void store_group_max(const float (&mx)[2], int t, boo
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     if (r == 1 && !row_b) return;
-    float* gm = gmax + r * 8 * K.ld + 2 * t;
+    float* gm = gmax + r * 8 * K.layout.floats + 2 * t;
     gm[0] = mx[r] * kLn2;
     if (second) gm[1] = mx[r] * kLn2;
   }

@@ -5,6 +5,8 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "linear_logp_cuda.h"  // KeptLayout
+
 namespace rlk::cuda::detail::sm90 {
 
 // A CTA computes 128x256 logit tiles (two consumer warpgroups of 64 rows) over K tiles of 64.
@@ -43,8 +45,8 @@ struct GradRows {
 };
 // kKeep's: where the group maxima of the kept record go (this pass's rows).
 struct KeepRows {
-  float* head;                    // [rows, ld] the kept record's head
-  int64_t ld, group_max_at, groups_per_chunk;
+  float* head;  // [rows, layout.floats] the kept record's head
+  KeptLayout layout;
 };
 struct NoGradRows {};
 template <Epi kEpi>
