@@ -520,10 +520,8 @@ void z_tile(const Problem& p, const BwdArgs& a, const Panels& ap, int64_t blk, i
 }
 
 // sum_j dz_j (z_j - m) of this shard's columns for the rows of rb, from the 16-bit kept record's
-// fp32 chunk moments (m_c, s_c, a_c, b_c, sk_c, ak_c; moments_dzz) and the target, when it is a
-// column of this shard, g (z_t - m). With a nucleus the logp term sums over it: moments_dzz
-// without g, - g wk (ak_c + d sk_c) with d = m_c - m, wk = exp(d - log_s_keep), and the target
-// counts only when kept.
+// fp32 chunk moments (m_c, s_c, a_c, b_c, sk_c, ak_c; moments_dzz, with a nucleus kept_moments_dzz)
+// and the target, when it is a column of this shard (and, with a nucleus, kept), g (z_t - m).
 void kept_dzz(const Problem& p, const BwdArgs& a, int64_t blk, const RowBlock& rb, f32x16* dzz) {
   const KeptRow row(p);
   const int64_t real_end = std::clamp<int64_t>(p.real_vocab - p.vocab_start, 0, p.v);
@@ -534,15 +532,8 @@ void kept_dzz(const Problem& p, const BwdArgs& a, int64_t blk, const RowBlock& r
       const float m = rb.m[rv][l], log_s = rb.log_s[rv][l], g = rb.g[rv][l], e = rb.e[rv][l], c = rb.c[rv][l];
       const float* mom = row.moments(a.logits, r);
       float acc = 0.f;
-      for (int64_t k = 0; k < row.chunks; ++k, mom += kMoments) {
-        if (!a.keep) {
-          acc += moments_dzz(mom, m, log_s, c, g, e);
-          continue;
-        }
-        if (mom[1] == 0.f) continue;  // only padding
-        const float d = mom[0] - m;
-        acc += moments_dzz(mom, m, log_s, c, 0.f, e) - g * expf(d - rb.log_s_keep[rv][l]) * (mom[5] + d * mom[4]);
-      }
+      for (int64_t k = 0; k < row.chunks; ++k, mom += kMoments)
+        acc += a.keep ? kept_moments_dzz(mom, m, log_s, rb.log_s_keep[rv][l], c, g, e) : moments_dzz(mom, m, log_s, c, g, e);
       const int64_t t = rb.target[rv][l] - p.vocab_start;
       if (t >= 0 && t < real_end && (!a.keep || a.keep[r * p.v + t])) acc += g * (*row.z_target(a.logits, r) - m);
       dzz[rv][l] = acc;

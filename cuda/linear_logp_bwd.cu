@@ -15,6 +15,8 @@
 //       case, writes dW directly). Work: three GEMMs; all extra memory in a workspace planned
 //       within 256 MiB; where n * h makes dH's fp32 accumulator too large, dH comes in row
 //       sweeps that recompute the rows left (lean_plan.h plans both).
+// A nucleus (BwdArgs::keep) changes dz only (dz_of's nucleus form): dlogit_kernel reads the kept
+// bytes beside z or q; lean takes the gemm path for it (the sm90 epilogue takes no nucleus).
 // No atomics: every sum has one order fixed by the shapes, so repeated runs give the same bits.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -55,6 +57,9 @@ struct DlogitParams {
   const float* bias;            // raw only: of column 0, or null
   const int32_t* targets;       // per row (row 0 = this launch's first row), as are the next six
   const float *temperature, *m, *log_s, *ent, *g, *e;  // ent, e may be null
+  const uint8_t* keep;          // the nucleus [rows, cols] (row stride ldk) of column 0, or null,
+  int64_t ldk;
+  const float* log_s_keep;      // with its log_s_keep per row
   float* dtemp;                 // per row, or null: sum_j dz z accumulates here over the pieces,
   bool dzz_add;                 // (pieces after the first add to it)
   bool dtemp_last;              // and the last piece turns it into dT = -inv_temp * sum
@@ -100,14 +105,15 @@ template <typename T> __device__ __forceinline__ void store_cols(T* r, int64_t c
     if (c0 + k < q.cols) r[c0 + k] = from_f<T>(x[k]);
 }
 
-// With q (16-bit kept record): p = q w and z - m = log q + d for the columns of one group,
-// d = mt - m, w = exp(d - log_s).
+// With q (16-bit kept record): p = q w, the nucleus's p = q wk and z - m = log q + d for the
+// columns of one group, d = mt - m, w = exp(d - log_s), wk = exp(d - log_s_keep).
 struct GroupScale {
-  float w, d;
+  float w, wk, d;
 };
-__device__ __forceinline__ GroupScale group_scale(const float* group_max, int64_t g, float m, float log_s) {
+__device__ __forceinline__ GroupScale group_scale(const float* group_max, int64_t g, float m, float log_s,
+                                                  float log_s_keep) {
   const float d = group_max[g] - m;
-  return {__expf(d - log_s), d};
+  return {__expf(d - log_s), __expf(d - log_s_keep), d};
 }
 // Where a thread's vector of columns lies in the kept record's groups (KeptLayout): chunk c, offset
 // off in it. Advanced by additions only: a 64-bit division per vector slowed the pass (docs/benchmarks.md §5).
@@ -119,10 +125,10 @@ struct ChunkPos {
 };
 // The group scales of the vector's kVec columns at pos (columns past the row: any value).
 __device__ __forceinline__ void vector_scales(const DlogitParams& q, const float* gmax, ChunkPos pos, float m,
-                                              float log_s, GroupScale (&gs)[kVec]) {
+                                              float log_s, float log_s_keep, GroupScale (&gs)[kVec]) {
   const int64_t w = KeptLayout::kGroupCols;
   if (pos.off + kVec <= q.chunk && pos.off % w + kVec <= w) {  // one group (always, when chunk % 8 == 0)
-    const GroupScale one = group_scale(gmax, q.kept.group_at(pos.c, pos.off), m, log_s);
+    const GroupScale one = group_scale(gmax, q.kept.group_at(pos.c, pos.off), m, log_s, log_s_keep);
 #pragma unroll
     for (int k = 0; k < kVec; ++k) gs[k] = one;
     return;
@@ -131,17 +137,24 @@ __device__ __forceinline__ void vector_scales(const DlogitParams& q, const float
   for (int k = 0; k < kVec; ++k) {  // across a group or chunk start
     const bool next = pos.off + k >= q.chunk;
     const int64_t c = pos.c + (next ? 1 : 0), off = pos.off + k - (next ? q.chunk : 0);
-    gs[k] = c < q.kept.chunks ? group_scale(gmax, q.kept.group_at(c, off), m, log_s) : GroupScale{0.f, 0.f};
+    gs[k] = c < q.kept.chunks ? group_scale(gmax, q.kept.group_at(c, off), m, log_s, log_s_keep)
+                              : GroupScale{0.f, 0.f, 0.f};
   }
 }
 
-// dT's sum_j dz_j (z_j - m) over this shard's columns of a row, from the kept record's moments.
-__device__ float kept_dzz(const DlogitParams& q, const float* head, int64_t t, float m, float log_s, float ent,
-                          float g, float e, int64_t live_cols) {
+// dT's sum_j dz_j z_j over this shard's columns of a row, from the kept record's moments: the sum
+// of dz_j (z_j - m) (with a nucleus, kept_moments_dzz; the target counts when kept), plus m sum_j
+// dz_j, which is 0 over the shards unless the target is outside the nucleus: then -g, added by the
+// target's shard.
+__device__ float kept_dzz(const DlogitParams& q, const float* head, const uint8_t* keep, int64_t t, float m,
+                          float log_s, float log_s_keep, float ent, float g, float e, int64_t live_cols) {
   float acc = 0.f;
-  for (int64_t c = 0; c < q.kept.chunks; ++c) acc += moments_dzz(head + 4 * c, m, log_s, log_s - ent, g, e);
+  for (int64_t c = 0; c < q.kept.chunks; ++c) {
+    const float* mom = head + q.kept.moments_at(c);
+    acc += keep ? kept_moments_dzz(mom, m, log_s, log_s_keep, log_s - ent, g, e) : moments_dzz(mom, m, log_s, log_s - ent, g, e);
+  }
   const int64_t tl = t - q.col0;
-  if (tl >= 0 && tl < live_cols) acc += g * (head[q.kept.z_target_at()] - m);
+  if (tl >= 0 && tl < live_cols) acc += !keep || keep[tl] ? g * (head[q.kept.z_target_at()] - m) : -g * m;
   return acc;
 }
 
@@ -151,7 +164,9 @@ __device__ float kept_dzz(const DlogitParams& q, const float* head, int64_t t, f
 // padding), the target is one small-int compare, and p = __expf(zm - log_s) (ex2.approx, a few ulp:
 // the result is rounded to 16 bits; the sm90 epilogue's form). Four vectors in flight per thread
 // instead of one gained nothing (docs/benchmarks.md §5).
-template <typename ZT, typename T>
+// kKeep: q.keep is set (a template argument, so the pass without a nucleus is compiled as if
+// there were none).
+template <typename ZT, typename T, bool kKeep>
 __global__ void __launch_bounds__(kRowThreads) dlogit_kernel(DlogitParams q) {
   __shared__ float red[kRowThreads];
   const int64_t row = blockIdx.x;
@@ -159,8 +174,11 @@ __global__ void __launch_bounds__(kRowThreads) dlogit_kernel(DlogitParams q) {
   const bool active = classify_target(t, q.real_vocab, q.ignore_index) == TargetKind::kValid;
   const float it = reciprocal(q.temperature[row]);
   const float m = active ? q.m[row] : 0.f, log_s = active ? q.log_s[row] : 0.f;
-  // a row with non-finite statistics (a NaN row) gets NaN in every real column, -inf logits too
-  const float g = !active ? 0.f : isfinite(m) && isfinite(log_s) ? q.g[row] : NAN;
+  const uint8_t* keep = kKeep ? q.keep + row * q.ldk : nullptr;
+  const float log_s_keep = active && keep ? q.log_s_keep[row] : log_s;
+  // a row with non-finite statistics (a NaN row; with a nucleus, also an empty one) gets NaN in
+  // every real column, -inf logits too
+  const float g = !active ? 0.f : isfinite(m) && isfinite(log_s) && isfinite(log_s_keep) ? q.g[row] : NAN;
   const float ent = active && q.ent ? q.ent[row] : 0.f, e = active && q.e ? q.e[row] : 0.f;
   const ZT* zr = static_cast<const ZT*>(q.z) + row * q.ldz;
   T* dr = static_cast<T*>(q.dlog) + row * q.ldd;
@@ -177,16 +195,21 @@ __global__ void __launch_bounds__(kRowThreads) dlogit_kernel(DlogitParams q) {
     const int64_t rest = live_cols - c0;
     const int nlive = rest >= kVec ? kVec : rest > 0 ? int(rest) : 0;
     const int kt = t - q.col0 >= c0 && t - q.col0 < c0 + kVec ? int(t - q.col0 - c0) : -1;
+    bool in_k[kVec];  // the nucleus's columns (all, without one)
+#pragma unroll
+    for (int k = 0; k < kVec; ++k) in_k[k] = !keep || (k < nlive && keep[c0 + k] != 0);
     if (head) {  // q = 0: p = 0 (a -inf logit, or below fp16); z - m only for the entropy term
       GroupScale gs[kVec];
-      vector_scales(q, head + q.kept.group_max_at(), pos, m, log_s, gs);
+      vector_scales(q, head + q.kept.group_max_at(), pos, m, log_s, log_s_keep, gs);
       pos.advance(int64_t(kRowThreads) * kVec, q.chunk);
 #pragma unroll
       for (int k = 0; k < kVec; ++k) {
         const bool live = k < nlive && x[k] != 0.f;
         const float pr = live ? x[k] * gs[k].w : 0.f;
         const float zm = live && e != 0.f ? __logf(x[k]) + gs[k].d : 0.f;
-        x[k] = (k < nlive ? dz_of(zm, pr, k == kt, log_s, ent, g, e) : 0.f) * it;
+        const float dz = !keep ? dz_of(zm, pr, k == kt, log_s, ent, g, e)
+                               : dz_of(zm, pr, live && in_k[k] ? x[k] * gs[k].wk : 0.f, in_k[k] && k == kt, log_s, ent, g, e);
+        x[k] = (k < nlive ? dz : 0.f) * it;
       }
       store_cols(dr, c0, q, x);
       continue;
@@ -197,8 +220,11 @@ __global__ void __launch_bounds__(kRowThreads) dlogit_kernel(DlogitParams q) {
       if (q.raw) z = (z + (q.bias && c0 + k < q.cols ? q.bias[c0 + k] : 0.f)) * it;
       // -inf: probability 0 (a logit masked by the bias); NaN stays live
       const bool live = k < nlive && !(z == -INFINITY);
-      const float zm = live ? z - m : 0.f;
-      const float dz = k < nlive ? dz_of(zm, live ? __expf(zm - log_s) : 0.f, k == kt, log_s, ent, g, e) : 0.f;
+      const float zm = live ? z - m : 0.f, pr = live ? __expf(zm - log_s) : 0.f;
+      const float dz = k >= nlive ? 0.f
+                       : !keep    ? dz_of(zm, pr, k == kt, log_s, ent, g, e)
+                                  : dz_of(zm, pr, live && in_k[k] ? __expf(zm - log_s_keep) : 0.f, in_k[k] && k == kt,
+                                          log_s, ent, g, e);
       if (live) dzz = fmaf(dz, z, dzz);
       x[k] = dz * it;
     }
@@ -206,7 +232,8 @@ __global__ void __launch_bounds__(kRowThreads) dlogit_kernel(DlogitParams q) {
   }
   if (!q.dtemp) return;
   if (head) {
-    if (threadIdx.x == 0) q.dtemp[row] = active ? -it * kept_dzz(q, head, t, m, log_s, ent, g, e, live_cols) : 0.f;
+    if (threadIdx.x == 0)
+      q.dtemp[row] = active ? -it * kept_dzz(q, head, keep, t, m, log_s, log_s_keep, ent, g, e, live_cols) : 0.f;
     return;
   }
   red[threadIdx.x] = dzz;  // fixed-shape tree: the same order for every row and every run
@@ -255,13 +282,19 @@ DlogitParams row_params(const Problem& p, const BwdArgs& a, int64_t r0) {
   q.ent = p.with_entropy && a.entropy ? a.entropy + r0 : nullptr;
   q.e = p.with_entropy && a.e ? a.e + r0 : nullptr;
   q.dtemp = a.dtemp ? a.dtemp + r0 : nullptr;
+  if (a.keep) {
+    q.keep = a.keep + r0 * p.v;
+    q.ldk = p.v;
+    q.log_s_keep = a.log_s_keep + r0;
+  }
   return q;
 }
 
 template <typename ZT, typename T>
 Status launch_dlogit(DlogitParams q, int64_t rows, cudaStream_t st) {
   q.vec = q.ldz % kVec == 0 && q.ldd % kVec == 0 && aligned16(q.z) && aligned16(q.dlog);
-  if (rows > 0) dlogit_kernel<ZT, T><<<unsigned(rows), kRowThreads, 0, st>>>(q);
+  if (rows > 0 && q.keep) dlogit_kernel<ZT, T, true><<<unsigned(rows), kRowThreads, 0, st>>>(q);
+  if (rows > 0 && !q.keep) dlogit_kernel<ZT, T, false><<<unsigned(rows), kRowThreads, 0, st>>>(q);
   RLK_CHECK_LAUNCH("rlk cuda: dlogit kernel launch failed");
   return nullptr;
 }
@@ -358,6 +391,7 @@ Status lean_tile(const Problem& p, const BwdArgs& a, const LeanLayout& L, const 
     q.cols = pc.cols; q.col0 = p.vocab_start + pc.c;
     q.raw = true;
     q.bias = p.has_bias ? a.bias + pc.c : nullptr;
+    if (q.keep) q.keep += pc.c;
     if (dh_only) q.dtemp = nullptr;
     q.dzz_add = !first_piece;
     q.dtemp_last = last_piece;
@@ -462,9 +496,10 @@ Status lean_sweep(const Problem& p, const BwdArgs& a, const LeanLayout& first, c
 
 template <typename T>
 Status backward_lean(const Problem& p, const BwdArgs& a, Workspace ws, cudaStream_t st) {
-  // TMA cannot take misaligned operands: the gemm path then (the workspace holds either layout)
+  // TMA cannot take misaligned operands, nor the sm90 epilogue a nucleus: the gemm path then (the
+  // workspace holds either layout)
   const bool tma_ok = ((reinterpret_cast<uintptr_t>(a.hidden) | reinterpret_cast<uintptr_t>(a.weight)) & 15) == 0;
-  const LeanLayout L = lean_layout(p, lean_fused(p) && tma_ok, a.dhidden_dtype);
+  const LeanLayout L = lean_layout(p, lean_fused(p) && tma_ok && !a.keep, a.dhidden_dtype);
   if (L.total > ws.bytes) return "rlk cuda: lean backward workspace too small";
   if (a.dhidden_dtype != DType::kF32 && finish_rows(p, L) < 1)  // before anything is written
     return "rlk cuda: h too large for the lean backward's tile (at most 32768)";
@@ -494,8 +529,8 @@ size_t backward_workspace_bytes(const Problem& p, bool fast, DType dhidden_dtype
 }
 
 Status backward(const Problem& p, const BwdArgs& a, Workspace ws, cudaStream_t stream) {
-  if (a.keep) return "rlk cuda: keep mask not supported yet";
   if (Status s = detail::check_shape(p)) return s;
+  if (a.keep && !a.log_s_keep) return "rlk cuda: a keep mask needs log_s_keep";
   if (Status s = check_dhidden_dtype(p, a.dhidden_dtype)) return s;
   const size_t need = backward_workspace_bytes(p, a.logits != nullptr, a.dhidden_dtype);
   if (ws.bytes < need || (need && !ws.ptr)) return "rlk cuda: backward workspace too small";

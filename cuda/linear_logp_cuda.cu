@@ -7,6 +7,8 @@
 //      reach global memory only when the fast backward asks for them (FwdArgs::logits).
 //   2. finalize_kernel: per (row, chunk), merges the chunk's splits in split order (stats_merge).
 //   3. target_logit_kernel: one warp per row, z_t by a fixed-order dot product.
+// A nucleus (FwdArgs::keep) runs on the portable kernel, which adds the kept ids' sums (sk, ak)
+// beside (s, a) from the same exponentials; the unmasked statistics keep their bits.
 // Backward: linear_logp_bwd.cu.
 // No atomics anywhere; every sum has one fixed order that depends on shapes only, so a row's
 // stats, logp and dH do not depend on the other rows of the call.
@@ -73,6 +75,12 @@ template <typename T> struct KeptOut {
   float* head = nullptr;
   KeptLayout layout;
 };
+// A nucleus, rows of one pass: keep [rows, v] bytes and the splits' kept sums
+// kpart [rows, nsplit, kKeepPartWidth] (null: no nucleus).
+struct Nucleus {
+  const uint8_t* keep = nullptr;
+  float* kpart = nullptr;
+};
 
 // ---- forward: per-(row, split) partial statistics ---------------------------------------------
 // Epilogue thread map (also used by the backward): warp w owns tile rows w*16 .. w*16+15; lane l
@@ -80,7 +88,7 @@ template <typename T> struct KeptOut {
 template <typename T>
 __global__ void __launch_bounds__(kThreads) fwd_split_kernel(
     const T* __restrict__ hidden, const T* __restrict__ weight, const float* __restrict__ bias,
-    const float* __restrict__ temperature, float* __restrict__ part, KeptOut<T> kept, int64_t rows,
+    const float* __restrict__ temperature, float* __restrict__ part, KeptOut<T> kept, Nucleus nuc, int64_t rows,
     int64_t h, int64_t chunk, int64_t spc, int64_t nsplit, int64_t vocab_start, int64_t real_vocab, int64_t v) {
   constexpr bool kQ = sizeof(T) == 2;  // the kept record holds q, the group maxima and b
   extern __shared__ __align__(128) unsigned char smem[];
@@ -93,11 +101,11 @@ __global__ void __launch_bounds__(kThreads) fwd_split_kernel(
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
 
   const bool keep = kept.z != nullptr;
-  float rm[16], rs[16], ra[16], rb[16];
+  float rm[16], rs[16], ra[16], rb[16], rsk[16], rak[16];
   float itemp[16];
 #pragma unroll
   for (int rr = 0; rr < 16; ++rr) {
-    rm[rr] = -INFINITY; rs[rr] = 0.f; ra[rr] = 0.f; rb[rr] = 0.f;
+    rm[rr] = -INFINITY; rs[rr] = 0.f; ra[rr] = 0.f; rb[rr] = 0.f; rsk[rr] = 0.f; rak[rr] = 0.f;
     const int64_t row = r0 + warp * 16 + rr;
     itemp[rr] = row < rows ? reciprocal(temperature[row]) : 1.f;
   }
@@ -124,7 +132,12 @@ __global__ void __launch_bounds__(kThreads) fwd_split_kernel(
       }
       const int64_t row = r0 + warp * 16 + rr;
       mx = warp_max(mx);
-      float s = 0.f, a = 0.f, b = 0.f, ex[4] = {0.f, 0.f, 0.f, 0.f};
+      bool in_k[4] = {false, false, false, false};  // the nucleus's columns
+      if (nuc.keep && row < rows) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) in_k[e] = live[e] && nuc.keep[row * v + t0 + lane * 4 + e] != 0;
+      }
+      float s = 0.f, a = 0.f, b = 0.f, sk = 0.f, ak = 0.f, ex[4] = {0.f, 0.f, 0.f, 0.f};
       if (!(mx == -INFINITY)) {  // NaN logits (and a NaN max) make the sums NaN
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
@@ -134,6 +147,7 @@ __global__ void __launch_bounds__(kThreads) fwd_split_kernel(
             s += ex[e];
             a = fmaf(ex[e], d, a);  // explicit: b's products must not change a's rounding
             if (kQ && keep) b = fmaf(ex[e] * d, d, b);
+            if (in_k[e]) { sk += ex[e]; ak = fmaf(ex[e], d, ak); }
           }
         }
       }
@@ -147,6 +161,7 @@ __global__ void __launch_bounds__(kThreads) fwd_split_kernel(
       s = warp_sum(s);
       a = warp_sum(a);
       if (kQ && keep) b = warp_sum(b);
+      if (nuc.keep) nucleus_merge(mx, s, warp_sum(sk), warp_sum(ak), rm[rr], rs[rr], rsk[rr], rak[rr]);
       moments_merge(mx, s, a, b, rm[rr], rs[rr], ra[rr], rb[rr]);
     }
     __syncthreads();  // Cs is reused by the next tile's pipeline
@@ -158,25 +173,38 @@ __global__ void __launch_bounds__(kThreads) fwd_split_kernel(
       if (row < rows) {
         float* o = part + (row * nsplit + gs) * kPartWidth;
         o[0] = rm[rr]; o[1] = rs[rr]; o[2] = ra[rr]; o[3] = rb[rr];
+        if (nuc.keep) {
+          float* k = nuc.kpart + (row * nsplit + gs) * kKeepPartWidth;
+          k[0] = rsk[rr]; k[1] = rak[rr];
+        }
       }
     }
   }
 }
 
-// Per (row, chunk): merge the chunk's splits in order; with a kept head, also its moments there.
-__global__ void finalize_kernel(const float* __restrict__ part, float* __restrict__ stats, float* __restrict__ head,
-                                int64_t head_ld, int64_t rows, int64_t nchunks, int64_t spc) {
+// Per (row, chunk): merge the chunk's splits in order; with a kept head, also its moments there;
+// with a nucleus (kpart), its kept sum into keep_sum [rows, nchunks].
+__global__ void finalize_kernel(const float* __restrict__ part, const float* __restrict__ kpart,
+                                float* __restrict__ stats, float* __restrict__ keep_sum, float* __restrict__ head,
+                                KeptLayout layout, int64_t rows, int64_t nchunks, int64_t spc) {
   const int64_t idx = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (idx >= rows * nchunks) return;
-  const int64_t row = idx / nchunks, c = idx % nchunks;
-  const float* p = part + (row * nchunks * spc + c * spc) * kPartWidth;
-  float m = -INFINITY, s = 0.f, a = 0.f, b = 0.f;
-  for (int64_t k = 0; k < spc; ++k, p += kPartWidth) moments_merge(p[0], p[1], p[2], p[3], m, s, a, b);
+  const int64_t row = idx / nchunks, c = idx % nchunks, first = row * nchunks * spc + c * spc;
+  float m = -INFINITY, s = 0.f, a = 0.f, b = 0.f, sk = 0.f, ak = 0.f;
+  for (int64_t k = 0; k < spc; ++k) {
+    const float* p = part + (first + k) * kPartWidth;
+    if (kpart) {
+      const float* q = kpart + (first + k) * kKeepPartWidth;
+      nucleus_merge(p[0], p[1], q[0], q[1], m, s, sk, ak);
+    }
+    moments_merge(p[0], p[1], p[2], p[3], m, s, a, b);
+  }
   float* o = stats + idx * kStatWidth;
   o[0] = m; o[1] = s; o[2] = a;
+  if (kpart) keep_sum[idx] = sk;
   if (head) {
-    float* mom = head + row * head_ld + c * 4;
-    mom[0] = m; mom[1] = s; mom[2] = a; mom[3] = b;
+    float* mom = head + row * layout.floats + layout.moments_at(c);
+    mom[0] = m; mom[1] = s; mom[2] = a; mom[3] = b; mom[4] = sk; mom[5] = ak;
   }
 }
 
@@ -185,7 +213,8 @@ __global__ void finalize_kernel(const float* __restrict__ part, float* __restric
 template <typename T>
 __global__ void target_logit_kernel(const T* __restrict__ hidden, const T* __restrict__ weight,
                                     const float* __restrict__ bias, const int32_t* __restrict__ targets,
-                                    const float* __restrict__ temperature, float* __restrict__ out, float* __restrict__ head,
+                                    const float* __restrict__ temperature, const uint8_t* __restrict__ keep,
+                                    float* __restrict__ out, float* __restrict__ head,
                                     KeptLayout layout, int64_t n, int64_t h, int64_t v, int64_t vocab_start,
                                     int64_t real_vocab, int64_t ignore_index) {
   const int64_t row = int64_t(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
@@ -195,7 +224,9 @@ __global__ void target_logit_kernel(const T* __restrict__ hidden, const T* __res
   const int64_t loc = t - vocab_start;
   const bool mine = classify_target(t, real_vocab, ignore_index) == TargetKind::kValid && loc >= 0 && loc < v;
   float zt = 0.f;
-  if (mine) {
+  if (mine && keep && !keep[row * v + loc]) {  // outside the nucleus: probability 0
+    zt = -INFINITY;
+  } else if (mine) {
     const T* hr = hidden + row * h;
     const T* wr = weight + loc * h;
     float acc = 0.f;
@@ -213,11 +244,12 @@ __global__ void combine_kernel(CombineArgs a) {
   const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= a.n) return;
   const RowResult r = combine_row(a.stats + i * a.k * kStatWidth, a.k, a.target_logit[i], a.targets[i],
-                                  a.real_vocab, a.ignore_index);
+                                  a.real_vocab, a.ignore_index, a.keep_sum ? a.keep_sum + i * a.k : nullptr);
   if (a.logp) a.logp[i] = r.logp;
   if (a.entropy) a.entropy[i] = r.entropy;
   if (a.m) a.m[i] = r.m;
   if (a.log_s) a.log_s[i] = r.log_s;
+  if (a.log_s_keep) a.log_s_keep[i] = r.log_s_keep;
 }
 
 template <typename K> cudaError_t set_smem(K kernel, size_t bytes) {
@@ -227,12 +259,12 @@ template <typename K> cudaError_t set_smem(K kernel, size_t bytes) {
 template <typename T>
 Status forward_portable_partials(const Problem& p, const T* hidden, int64_t rows, const T* weight,
                                  const float* bias, const float* temperature, float* part, KeptOut<T> kept,
-                                 cudaStream_t st) {
+                                 Nucleus nuc, cudaStream_t st) {
   constexpr size_t smem = GemmSmem<T>::BYTES;
   // Set on every call (cheap, host-only, legal under stream capture): the attribute is per device.
   if (set_smem(fwd_split_kernel<T>, smem) != cudaSuccess) return "rlk cuda: cudaFuncSetAttribute failed (forward)";
   const dim3 grid(unsigned((rows + kBM - 1) / kBM), unsigned(total_splits(p)));
-  fwd_split_kernel<T><<<grid, kThreads, smem, st>>>(hidden, weight, bias, temperature, part, kept, rows, p.h, p.chunk,
+  fwd_split_kernel<T><<<grid, kThreads, smem, st>>>(hidden, weight, bias, temperature, part, kept, nuc, rows, p.h, p.chunk,
                                                     splits_per_chunk(p.chunk), total_splits(p),
                                                     p.vocab_start, p.real_vocab, p.v);
   RLK_CHECK_LAUNCH("rlk cuda: forward kernel launch failed");
@@ -241,7 +273,8 @@ Status forward_portable_partials(const Problem& p, const T* hidden, int64_t rows
 
 template <typename T>
 Status forward_t(const Problem& p, const FwdArgs& a, Workspace ws, cudaStream_t st, Backend* ran) {
-  Backend be = forward_backend(p);
+  // the sm90 epilogue takes no nucleus
+  Backend be = a.keep ? Backend::kCudaPortable : forward_backend(p);
   if (ran) *ran = be;
   const T* H = cptr<T>(a.hidden);
   const T* W = cptr<T>(a.weight);
@@ -249,12 +282,15 @@ Status forward_t(const Problem& p, const FwdArgs& a, Workspace ws, cudaStream_t 
   const int64_t R = fwd_rows_per_pass(p);
   const int64_t K = num_chunks(p);
   float* part = static_cast<float*>(ws.ptr);
+  float* kpart = part + R * total_splits(p) * kPartWidth;
   const KeptRows kr = a.logits ? kept_rows(p, a.logits) : KeptRows{nullptr, nullptr};
   const KeptLayout layout(p);
   for (int64_t r0 = 0; r0 < p.n; r0 += R) {
     const int64_t rows = p.n - r0 < R ? p.n - r0 : R;
     Status s = nullptr;
     KeptOut<T> kept;
+    Nucleus nuc;
+    if (a.keep) nuc = {a.keep + r0 * p.v, kpart};
     if (kr.z) {
       kept.z = static_cast<Kept<T>*>(kr.z) + r0 * p.v;
       kept.head = kr.head ? kr.head + r0 * layout.floats : nullptr;
@@ -266,20 +302,21 @@ Status forward_t(const Problem& p, const FwdArgs& a, Workspace ws, cudaStream_t 
       if (s == kSm90Misaligned) {  // TMA needs 16-byte aligned bases: the portable kernel takes it
         be = Backend::kCudaPortable;
         if (ran) *ran = be;
-        s = forward_portable_partials<T>(p, H + r0 * p.h, rows, W, B, a.temperature + r0, part, kept, st);
+        s = forward_portable_partials<T>(p, H + r0 * p.h, rows, W, B, a.temperature + r0, part, kept, nuc, st);
       }
     } else
 #endif
     {
-      s = forward_portable_partials<T>(p, H + r0 * p.h, rows, W, B, a.temperature + r0, part, kept, st);
+      s = forward_portable_partials<T>(p, H + r0 * p.h, rows, W, B, a.temperature + r0, part, kept, nuc, st);
     }
     if (s) return s;
     const int64_t tot = rows * K;
-    finalize_kernel<<<unsigned((tot + 255) / 256), 256, 0, st>>>(part, a.stats + r0 * K * kStatWidth, kept.head,
-                                                                 layout.floats, rows, K, splits_per_chunk(p.chunk));
+    finalize_kernel<<<unsigned((tot + 255) / 256), 256, 0, st>>>(
+        part, nuc.kpart, a.stats + r0 * K * kStatWidth, a.keep ? a.keep_sum + r0 * K : nullptr, kept.head, layout, rows,
+        K, splits_per_chunk(p.chunk));
     RLK_CHECK_LAUNCH("rlk cuda: finalize kernel launch failed");
   }
-  target_logit_kernel<T><<<unsigned((p.n + 7) / 8), 256, 0, st>>>(H, W, B, a.targets, a.temperature, a.target_logit,
+  target_logit_kernel<T><<<unsigned((p.n + 7) / 8), 256, 0, st>>>(H, W, B, a.targets, a.temperature, a.keep, a.target_logit,
                                                                    kr.head, layout, p.n, p.h, p.v, p.vocab_start,
                                                                    p.real_vocab, p.ignore_index);
   RLK_CHECK_LAUNCH("rlk cuda: target logit kernel launch failed");
@@ -318,13 +355,13 @@ Backend forward_backend(const Problem& p) {
 
 size_t forward_workspace_bytes(const Problem& p) {
   if (p.n <= 0 || p.v <= 0 || p.chunk <= 0) return 0;
-  return size_t(fwd_rows_per_pass(p)) * size_t(total_splits(p)) * kPartWidth * sizeof(float);
+  return size_t(fwd_rows_per_pass(p)) * size_t(total_splits(p)) * (kPartWidth + kKeepPartWidth) * sizeof(float);
 }
 
 Status forward(const Problem& p, const FwdArgs& a, Workspace ws, cudaStream_t stream, Backend* ran) {
-  if (a.keep) return "rlk cuda: keep mask not supported yet";
   if (Status s = check_shape(p)) return s;
-  if (ran) *ran = forward_backend(p);
+  if (a.keep && !a.keep_sum) return "rlk cuda: a keep mask needs keep_sum";
+  if (ran) *ran = a.keep ? Backend::kCudaPortable : forward_backend(p);
   if (p.n == 0) return nullptr;
   if (ws.bytes < forward_workspace_bytes(p) || (forward_workspace_bytes(p) && !ws.ptr))
     return "rlk cuda: forward workspace too small";
@@ -337,7 +374,6 @@ Status forward(const Problem& p, const FwdArgs& a, Workspace ws, cudaStream_t st
 }
 
 Status combine(const CombineArgs& a, cudaStream_t stream) {
-  if (a.keep_sum) return "rlk cuda: keep mask not supported yet";
   if (a.n <= 0) return nullptr;
   combine_kernel<<<unsigned((a.n + 255) / 256), 256, 0, stream>>>(a);
   RLK_CHECK_LAUNCH("rlk cuda: combine kernel launch failed");

@@ -25,8 +25,9 @@ size_t forward_workspace_bytes(const Problem& p);
 // The CUDA backend's kept buffer (FwdArgs::logits, BwdArgs::logits), n rows:
 //   fp32 operands: z [n, v] fp32, as the forward computed it.
 //   16-bit operands, the max-relative record (as the CPU backend's, in a layout for TMA stores):
-//     float head[n][floats]  per row: moments[chunks][4], the chunk's (m, s, a, b) with
-//                            b = sum_j exp(z_j - m) (z_j - m)^2; group_max[groups]; z_target;
+//     float head[n][floats]  per row: moments[chunks][6], the chunk's (m, s, a, b, sk, ak) with
+//                            b = sum_j exp(z_j - m) (z_j - m)^2 and sk, ak the sums of s and a
+//                            over the nucleus (FwdArgs::keep; 0 without); group_max[groups]; z_target;
 //                            zeros up to a multiple of 64 floats: q starts 256-byte aligned for
 //                            any n (the gradient GEMMs read q's bytes as dlogit, and cuBLASLt
 //                            picks slower kernels for a less aligned operand: T3, n = 6827,
@@ -39,13 +40,15 @@ size_t forward_workspace_bytes(const Problem& p);
 // Row-separable: the bytes of n rows are n times those of one.
 struct KeptLayout {
   static constexpr int64_t kGroupCols = 128;
+  static constexpr int64_t kMoments = 6;
   int64_t chunks, groups_per_chunk, floats;  // floats: the head's per row
   KeptLayout() = default;
   explicit KeptLayout(const Problem& p)
       : chunks(num_chunks(p)), groups_per_chunk((p.chunk + kGroupCols - 1) / kGroupCols),
-        floats((chunks * 4 + chunks * groups_per_chunk + 1 + 63) / 64 * 64) {}
-  RLK_HD int64_t group_max_at() const { return chunks * 4; }  // offsets in a row's head
-  RLK_HD int64_t z_target_at() const { return chunks * 4 + chunks * groups_per_chunk; }
+        floats((chunks * kMoments + chunks * groups_per_chunk + 1 + 63) / 64 * 64) {}
+  RLK_HD int64_t moments_at(int64_t c) const { return c * kMoments; }  // offsets in a row's head
+  RLK_HD int64_t group_max_at() const { return chunks * kMoments; }
+  RLK_HD int64_t z_target_at() const { return group_max_at() + chunks * groups_per_chunk; }
   // The group of the column at offset `off` of chunk `c`.
   RLK_HD int64_t group_at(int64_t c, int64_t off) const { return c * groups_per_chunk + off / kGroupCols; }
   // The group of local column `col` in chunk `c` (col in [c * chunk, (c + 1) * chunk)).

@@ -21,6 +21,9 @@ constexpr int64_t kSplitCols = 1024;  // a multiple of the sm90 kernel's 256-col
 // A split's partials: the chunk statistics' (m, s, a) and the kept record's moment b (moments_merge;
 // 0 when nothing is kept).
 constexpr int kPartWidth = 4;
+// With a nucleus (FwdArgs::keep; the portable kernel), a split's kept sums (sk, ak) in a second
+// array of the workspace (nucleus_merge).
+constexpr int kKeepPartWidth = 2;
 
 // The lean backward's recompute on the sm90 kernel (sm90_dlogit) splits its vocab pieces the same
 // way, in shorter splits, so that a piece's few row tiles still make enough units to fill the last

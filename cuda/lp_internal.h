@@ -17,10 +17,11 @@ inline Status check_shape(const Problem& p) {
   return nullptr;
 }
 
-// Rows per forward launch: bounds the partial-statistics workspace (rows * splits * kPartWidth floats).
-// Depends on shapes only; rows are independent, so the cut is invisible in the results.
+// Rows per forward launch: bounds the partial-statistics workspace (rows * splits * (kPartWidth +
+// kKeepPartWidth) floats). Depends on shapes only; rows are independent, so the cut is invisible in
+// the results.
 inline int64_t fwd_rows_per_pass(const Problem& p) {
-  const int64_t per_row = total_splits(p) * kPartWidth * (int64_t)sizeof(float);
+  const int64_t per_row = total_splits(p) * (kPartWidth + kKeepPartWidth) * (int64_t)sizeof(float);
   int64_t r = (int64_t(192) << 20) / (per_row > 0 ? per_row : 1);
   r = (r / 128) * 128;
   if (r < 128) r = 128;

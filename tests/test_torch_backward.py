@@ -50,11 +50,11 @@ def _cpu_row_bytes(v, chunk):
 
 
 def _cuda_row_bytes(v, chunk):
-    """One row of the CUDA backend's 16-bit kept record: the fp32 head (4 moments per chunk, one max
+    """One row of the CUDA backend's 16-bit kept record: the fp32 head (6 moments per chunk, one max
     per 128-column group of each chunk, the target logit, zeros up to a multiple of 64 floats),
     then fp16 q for the v columns."""
     chunks, groups = v // chunk, -(-chunk // 128)
-    return 4 * (-(-(4 * chunks + chunks * groups + 1) // 64) * 64) + 2 * v
+    return 4 * (-(-(6 * chunks + chunks * groups + 1) // 64) * 64) + 2 * v
 
 
 def test_kept_bytes_rule():

@@ -173,14 +173,18 @@ def test_vime_provider_cuda_routes_and_row_chunks():
     z = logits.double().masked_fill(~keep, float("-inf"))
     want = torch.log_softmax(z, -1).gather(1, d["targets"][:, None])
     assert float((runs[0].logp.double() - want).abs().max()) <= 2e-5 * (1 + float(want.abs().max()))
-    # the CUDA kernels take no keep mask yet: a masked request with the context too takes the logits
-    # route; with only the context it is unavailable (vime's auto then runs its native path)
-    both = vime.provider(vime_side.request(d["targets"], hidden=d["hidden"], weight=d["weight"], temperature=T,
-                                           logits=logits, keep_mask=keep), "strict")
-    assert both.backend_id == "rlk.logits.cuda" and "keep mask" in both.provenance["route_reason"]
-    with pytest.raises(vime.ProviderUnavailable, match="keep mask"):
-        vime.provider(vime_side.request(d["targets"], hidden=d["hidden"], weight=d["weight"], temperature=T,
-                                        keep_mask=keep))
+    # the mask goes into the CUDA kernels: a masked request with the context (and the logits, or
+    # not) takes the fused route, on the portable forward kernel, the same bits chunked or not
+    fused = [vime.provider(vime_side.request(d["targets"], hidden=d["hidden"], weight=d["weight"], temperature=T,
+                                             keep_mask=keep, chunk_size=c, **extra), "strict")
+             for c, extra in ((-1, {}), (7, {}), (-1, {"logits": logits}))]
+    assert all(r.backend_id == "rlk.fused.cuda_portable" for r in fused)
+    assert all(torch.equal(fused[0].logp, r.logp) and torch.equal(fused[0].entropy, r.entropy) for r in fused[1:])
+    assert float((fused[0].logp.double() - want).abs().max()) <= 2e-5 * (1 + float(want.abs().max()))
+    ref = oracle.linear_logp(to_np(d["hidden"]), to_np(d["weight"]), d["targets"].cpu().numpy(),
+                             temperature=to_np(T), nucleus=keep.cpu().numpy())
+    oracle.assert_values(to_np(fused[0].logp[:, 0]), ref["logp"], "fused masked logp")
+    oracle.assert_values(to_np(fused[0].entropy), ref["entropy"], "fused masked entropy")
 
 
 def test_vime_provider_captures_in_a_cuda_graph():

@@ -2,7 +2,8 @@
 whole distribution, and the gradients of both (hidden, weight, bias, temperature), against float64
 at odd shapes for bf16 and fp32 with the lean and the fast backward; the edge cases (a target outside
 its nucleus, an empty nucleus, NaN inputs); bits that do not depend on the row split or on the
-mask for what the mask must not change; torch.compile(fullgraph=True); the CUDA kernels' refusal.
+mask for what the mask must not change; torch.compile(fullgraph=True). The same on CUDA (`-m gpu`),
+where a mask runs the portable forward kernel also on Hopper and lean's cuBLAS path.
 TP 2 and 4: test_torch_tp.py; the vime provider: test_torch_vime.py."""
 import pytest
 
@@ -15,22 +16,25 @@ import oracle
 import torch_bridge
 from torch_helpers import GPU, make_inputs, to_np
 
+DEVICES = ["cpu", GPU]
+
 F64 = torch.float64
 NEG_INF = float("-inf")
 
 
 def nucleus(d, kw, frac=0.3, seed=0):
-    """A random keep mask [n, v] holding each row's target and argmax (as a top-p nucleus does)."""
-    h, w = d["hidden"].double(), d["weight"].double()
-    z = h @ w.T + (kw["bias"].double() if "bias" in kw else 0.0)
+    """A random keep mask [n, v] holding each row's target and argmax (as a top-p nucleus does), on
+    the inputs' device."""
+    h, w = d["hidden"].double().cpu(), d["weight"].double().cpu()
+    z = h @ w.T + (kw["bias"].double().cpu() if "bias" in kw else 0.0)
     n, v = z.shape
     keep = torch.rand(n, v, generator=torch.Generator().manual_seed(seed)) < frac
     rows = torch.arange(n)
     keep[rows, z.argmax(dim=1)] = True
-    t = d["targets"]
+    t = d["targets"].cpu()
     ok = t >= 0
     keep[rows[ok], t[ok]] = True
-    return keep
+    return keep.to(d["hidden"].device)
 
 
 def run(d, kw, g, e, keep, backward, leaves=("hidden", "weight", "bias", "temperature"), drop_nonfinite=True):
@@ -51,12 +55,15 @@ def run(d, kw, g, e, keep, backward, leaves=("hidden", "weight", "bias", "temper
 
 
 def ref_of(d, kw, g, e, keep, kept_fp16=False):
+    """float64; on CUDA with dlogit rounded to the operand dtype before the gradient GEMMs."""
     temp = kw.get("temperature", 1.0)
-    return oracle.linear_logp(to_np(d["hidden"]), to_np(d["weight"]), d["targets"].numpy(),
+    cuda = d["hidden"].device.type == "cuda"
+    return oracle.linear_logp(to_np(d["hidden"]), to_np(d["weight"]), d["targets"].cpu().numpy(),
                               bias=to_np(kw["bias"]) if "bias" in kw else None,
                               temperature=to_np(temp) if isinstance(temp, torch.Tensor) else temp,
-                              real_vocab=kw.get("real_vocab_size"), g=g.numpy(), e=e.numpy(),
-                              nucleus=keep.numpy(), kept_fp16=kept_fp16)
+                              real_vocab=kw.get("real_vocab_size"), g=to_np(g), e=to_np(e),
+                              nucleus=keep.cpu().numpy(), kept_fp16=kept_fp16,
+                              dlogit_dtype=str(d["hidden"].dtype).split(".")[1] if cuda else None)
 
 
 def check(out, ref, dtype, what, plain=None):
@@ -72,14 +79,17 @@ def check(out, ref, dtype, what, plain=None):
                                f"{what} d{name}", r[key + "_abs"])
 
 
-SHAPES = [(1, 24, 1000), (3, 40, 4097), (127, 40, 1000)]  # V = 1000: chunks of 125 (tiles of 64 cut them)
+# V = 1000: chunks of 125 (the CPU's 64-column tiles cut them); h = 128: the sm90 kernel's shapes,
+# which a masked call leaves for the portable kernel
+SHAPES = [(1, 24, 1000), (3, 40, 4097), (127, 40, 1000), (300, 128, 4097)]
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 @pytest.mark.parametrize("n,h,v", SHAPES)
-def test_nucleus_against_float64(n, h, v, dtype):
+def test_nucleus_against_float64(n, h, v, dtype, device):
     d, kw, g, e = make_inputs(n, n, h, v, dtype, bias=True, temp="array", ignore_frac=0.1 if n > 1 else 0.0,
-                              real_vocab=v - 37 if n == 127 else None)
+                              real_vocab=v - 37 if n == 127 else None, device=device)
     keep = nucleus(d, kw, seed=n)
     ref = ref_of(d, kw, g, e, keep)
     lean = run(d, kw, g, e, keep, "lean")
@@ -87,21 +97,23 @@ def test_nucleus_against_float64(n, h, v, dtype):
     check(lean, ref, dtype, "lean")
     check(fast, ref_of(d, kw, g, e, keep, kept_fp16=dtype != "float32"), dtype, "fast", plain=ref)
     assert torch.equal(lean[0], fast[0]) and torch.equal(lean[1], fast[1])
-    if dtype == "float32":  # fast reads the very z lean recomputes
+    if dtype == "float32" and device == "cpu":  # fast reads the very z lean recomputes
         assert all(torch.equal(lean[2][k], fast[2][k]) for k in lean[2])
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("backward", ["lean", "fast"])
-def test_nucleus_is_all_the_mask_changes(backward):
-    """The entropy (and the statistics under it) are the unmasked call's bits; an all-True mask gives
-    the unmasked logp; rows are independent: any row split gives the same bits."""
-    d, kw, g, e = make_inputs(5, 70, 32, 1024, "bfloat16", bias=True, temp="array", ignore_frac=0.2)
+def test_nucleus_is_all_the_mask_changes(backward, device):
+    """The entropy (and the statistics under it) are the unmasked call's bits (on CUDA, h = 32: the
+    portable kernel either way); an all-True mask gives the unmasked logp; rows are independent:
+    any row split gives the same bits."""
+    d, kw, g, e = make_inputs(5, 70, 32, 1024, "bfloat16", bias=True, temp="array", ignore_frac=0.2, device=device)
     keep = nucleus(d, kw)
     masked = run(d, kw, g, e, keep, backward)
     plain = torch_bridge.linear_logp(d["hidden"], d["weight"], d["targets"], return_entropy=True, **kw)
     assert torch.equal(masked[1], plain[1])
     everything = run(d, kw, g, e, torch.ones_like(keep), backward)
-    np.testing.assert_allclose(everything[0].numpy(), plain[0].numpy(), rtol=0, atol=2e-6)
+    np.testing.assert_allclose(to_np(everything[0]), to_np(plain[0]), rtol=0, atol=2e-6)
     parts = [torch_bridge.linear_logp(d["hidden"][sl], d["weight"], d["targets"][sl], return_entropy=True,
                                       keep_mask=keep[sl], bias=kw["bias"], temperature=kw["temperature"][sl])
              for sl in (slice(0, 1), slice(1, 38), slice(38, 70))]
@@ -109,13 +121,14 @@ def test_nucleus_is_all_the_mask_changes(backward):
     assert torch.equal(torch.cat([p[1] for p in parts]), masked[1])
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("backward", ["lean", "fast"])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_nucleus_edge_cases(dtype, backward):
+def test_nucleus_edge_cases(dtype, backward, device):
     """A target outside its nucleus: logp -inf (its row's gradient: -g p_kept, finite); a row that
     keeps nothing: logp NaN (entropy unmasked, finite) and NaN gradients on its row; NaN hidden:
     NaN logp and entropy."""
-    d, kw, g, e = make_inputs(11, 9, 16, 300, dtype, bias=True, temp="array")
+    d, kw, g, e = make_inputs(11, 9, 16, 300, dtype, bias=True, temp="array", device=device)
     keep = nucleus(d, kw)
     t = d["targets"]
     keep[1, t[1]] = False
@@ -161,14 +174,6 @@ def test_keep_mask_is_checked():
     off = torch_bridge.linear_logp(h.reshape(2, 3, 16), w, t.reshape(2, 3), keep_mask=keep, mode="off")
     assert got.shape == (2, 3)
     np.testing.assert_allclose(got.numpy(), off.numpy(), rtol=2e-5, atol=2e-5)
-
-
-@pytest.mark.parametrize("device", [GPU])
-def test_cuda_kernels_refuse_a_nucleus(device):
-    d, kw, g, e = make_inputs(2, 8, 32, 256, "bfloat16", device=device)
-    keep = torch.ones(8, 256, dtype=torch.bool, device=device)
-    with pytest.raises(RuntimeError, match="keep mask not supported yet"):
-        torch_bridge.linear_logp(d["hidden"], d["weight"], d["targets"], keep_mask=keep, mode="strict")
 
 
 def test_torch_compile_fullgraph_with_a_nucleus():

@@ -254,17 +254,17 @@ def _op_samples(device):
             (h, w, b, t, T, 290, chunk, -100, True, keep),
             (h.bfloat16(), w.bfloat16(), None, t, T, 300, chunk, -100, False, keep))],
     )
-    if device == "cpu":  # a top-p nucleus (the CUDA kernels refuse it)
-        nucleus = torch.rand(13, 300, generator=torch.Generator().manual_seed(1)) < 0.5
-        _, _, kept_k, keep_sum = torch.ops.rlk.forward_stats(hh, wh, None, t, T, 0, 290, chunk, -100, True, True,
-                                                             nucleus)
-        lp, en, mk, lsk, log_s_keep = torch.ops.rlk.combine(stats, tl, t, 290, -100, keep_sum)
-        samples["forward_stats"].append((h, w, b, t, T, 0, 290, chunk, -100, True, True, nucleus))
-        samples["combine"].append((stats, tl, t, 290, -100, keep_sum))
-        samples["linear_logp_backward"] += [
-            (h, w, b, t, T, m, log_s, ent, g, e, lean, 0, 290, chunk, -100, True, nucleus, log_s_keep),
-            (hh, wh, None, t, T, mk, lsk, en, g, e, kept_k, 0, 290, chunk, -100, False, nucleus, log_s_keep)]
-        samples["linear_logp"] += [(h, w, b, t, T, 290, chunk, -100, True, keep, nucleus) for keep in (False, True)]
+    # a top-p nucleus
+    nucleus = (torch.rand(13, 300, generator=torch.Generator().manual_seed(1)) < 0.5).to(device)
+    _, _, kept_k, keep_sum = torch.ops.rlk.forward_stats(hh, wh, None, t, T, 0, 290, chunk, -100, True, True,
+                                                         nucleus)
+    lp, en, mk, lsk, log_s_keep = torch.ops.rlk.combine(stats, tl, t, 290, -100, keep_sum)
+    samples["forward_stats"].append((h, w, b, t, T, 0, 290, chunk, -100, True, True, nucleus))
+    samples["combine"].append((stats, tl, t, 290, -100, keep_sum))
+    samples["linear_logp_backward"] += [
+        (h, w, b, t, T, m, log_s, ent, g, e, lean, 0, 290, chunk, -100, True, nucleus, log_s_keep),
+        (hh, wh, None, t, T, mk, lsk, en, g, e, kept_k, 0, 290, chunk, -100, False, nucleus, log_s_keep)]
+    samples["linear_logp"] += [(h, w, b, t, T, 290, chunk, -100, True, keep, nucleus) for keep in (False, True)]
     return samples
 
 

@@ -15,8 +15,7 @@ torch.compile(fullgraph=True):
 
 A nucleus (`keep`, a top-p keep mask: bool [n, V_local], this shard's slice) makes logp that of the
 softmax over the kept ids (on every shard) and leaves the entropy unmasked; the kernels read it as
-uint8 and keep no [n, V] float buffer for it (docs/design.md §12). The CPU kernels take
-it; the CUDA kernels refuse it ("keep mask not supported yet"). Without one, the ops carry an empty
+uint8 and keep no [n, V] float buffer for it (docs/design.md §12). Without one, the ops carry an empty
 [0] tensor for its outputs (keep_sum, log_s_keep).
 The forward and combine calls also come as plain functions writing into caller-owned buffers
 (forward_into, combine_to): the rollout path (torch_bridge.rollout) allocates nothing.

@@ -53,8 +53,8 @@ def linear_logp(hidden, weight, targets, *, bias=None, temperature=1.0, ignore_i
     keep_mask: a top-p nucleus, bool [..., V_local] (targets' shape, then this rank's vocab shard), or
     None: logp is renormalized over each row's kept ids (-inf for a target outside them, NaN for a row
     that keeps nothing), the entropy stays that of the whole distribution; gradients of both. The
-    CPU kernels take it in the fused pass (no [n, V] float buffer); the CUDA kernels do not yet
-    (RuntimeError "keep mask not supported yet"; mode "off" runs the reference).
+    kernels take it in the fused pass (no [n, V] float buffer; on CUDA the portable forward kernel,
+    not the sm90 one, and lean's cuBLAS path).
     """
     mode = routes.resolve_mode(mode)
     return_entropy = common.check_flag("return_entropy", return_entropy)

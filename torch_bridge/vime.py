@@ -12,8 +12,7 @@ Routes, chosen per request:
 - "fused": the context (the output layer's input hidden [T, H], this rank's weight [V_local, H]
   and bias, the vocab partition) through our kernels; no logits. Used whenever the context is
   there and usable, also when the request carries the logits too (provenance says so). A top-p
-  keep mask goes into the kernels (CPU); the CUDA kernels take no mask yet, so on CUDA a masked
-  request takes the logits route, or is unavailable without logits.
+  keep mask goes into the kernels (CPU and CUDA).
 - "logits": the request's local logits through torch_bridge.logits (canonical-chunk statistics,
   no second projection). Used without a usable context.
 - "reference": materialized fp32 logits and log_softmax (mode off, and audit's comparison).
@@ -214,8 +213,6 @@ def _fused_unavailable(r: _Req) -> Optional[str]:
     why = unsupported(r.hidden)
     if why is not None:
         return why
-    if r.keep is not None and r.hidden.device.type != "cpu":
-        return f"a top-p keep mask on {r.hidden.device.type} (the CUDA kernels take no mask yet)"
     if r.weight.dtype != r.hidden.dtype:
         return f"context weight dtype {r.weight.dtype} differs from hidden dtype {r.hidden.dtype}"
     return _partition_unsupported(r)

@@ -138,6 +138,32 @@ RLK_HD float moments_dzz(const float* mom, float m, float log_s, float c, float 
   return w * ((c * e - g) * ad - e * (mom[3] + d * (2.f * mom[2] + d * mom[1])));
 }
 
+// The nucleus's sums of a chunk, sk = sum_{j in K} exp(z_j - m) and ak = sum_{j in K} exp(z_j - m) (z_j - m),
+// merged like (s, a) in stats_merge: (m2, s2) and (m, s) are the two parts' full statistics, before
+// stats_merge (or moments_merge) folds them, so the rebasing follows the same max.
+RLK_HD void nucleus_merge(float m2, float s2, float sk2, float ak2, float m, float s, float& sk, float& ak) {
+  if (s2 == 0.f) return;
+  if (s == 0.f) { sk = sk2; ak = ak2; return; }
+  if (m2 > m) {
+    const float d = m - m2, alpha = expf(d);
+    ak = fmaf(alpha, fmaf(d, sk, ak), ak2);
+    sk = fmaf(alpha, sk, sk2);
+  } else {
+    const float d = m2 - m, alpha = expf(d);
+    ak = fmaf(alpha, fmaf(d, sk2, ak2), ak);
+    sk = fmaf(alpha, sk2, sk);
+  }
+}
+
+// moments_dzz with a nucleus: the logp term over the chunk's kept ids alone, from their sums
+// (sk_c, ak_c) = (mom[4], mom[5]) relative to m_c and the row's log_s_keep: - g wk (ak_c + d sk_c),
+// wk = exp(d - log_s_keep). The target's g (z_t - m) is the caller's, when the target is kept.
+RLK_HD float kept_moments_dzz(const float* mom, float m, float log_s, float log_s_keep, float c, float g, float e) {
+  if (mom[1] == 0.f) return 0.f;  // only padding
+  const float d = mom[0] - m;
+  return moments_dzz(mom, m, log_s, c, 0.f, e) - g * expf(d - log_s_keep) * (mom[5] + d * mom[4]);
+}
+
 // 1 / T, correctly rounded on every platform. The kernels take the temperature, not its inverse:
 // XLA's GPU division is not correctly rounded (div.full.f32, up to 1 ulp off) while torch's is,
 // so an inverse formed by each frontend would differ between JAX and torch.
@@ -195,6 +221,11 @@ RLK_HD RowResult combine_row(const float* stats, int64_t k, float target_logit, 
 // exp the caller affords), the row's log_s, entropy and upstream grads.
 RLK_HD float dz_of(float zm, float p, bool is_target, float log_s, float ent, float g, float e) {
   return g * ((is_target ? 1.f : 0.f) - p) + e * p * ((log_s - ent) - zm);
+}
+// The same under a nucleus: pk = exp(zm - log_s_keep) for a kept id, else 0, and is_target only
+// for a kept target; the entropy term keeps the whole distribution's p.
+RLK_HD float dz_of(float zm, float p, float pk, bool is_target, float log_s, float ent, float g, float e) {
+  return g * ((is_target ? 1.f : 0.f) - pk) + e * p * ((log_s - ent) - zm);
 }
 
 // ---- the calls -------------------------------------------------------------------------------
