@@ -703,15 +703,7 @@ size_t kept_bytes(const Problem& p) {
 
 Status combine(const CombineArgs& a) {
   parallel_for(cdiv(a.n, 1024), workers_for(cdiv(a.n, 1024)), [&](int, int64_t u) {
-    for (int64_t r = u * 1024; r < std::min(a.n, (u + 1) * 1024); ++r) {
-      const RowResult res = combine_row(a.stats + r * a.k * kStatWidth, a.k, a.target_logit[r], a.targets[r],
-                                        a.real_vocab, a.ignore_index, a.keep_sum ? a.keep_sum + r * a.k : nullptr);
-      if (a.logp) a.logp[r] = res.logp;
-      if (a.entropy) a.entropy[r] = res.entropy;
-      if (a.m) a.m[r] = res.m;
-      if (a.log_s) a.log_s[r] = res.log_s;
-      if (a.log_s_keep) a.log_s_keep[r] = res.log_s_keep;
-    }
+    for (int64_t r = u * 1024; r < std::min(a.n, (u + 1) * 1024); ++r) combine_one(a, r);
   });
   return nullptr;
 }

@@ -242,14 +242,7 @@ __global__ void target_logit_kernel(const T* __restrict__ hidden, const T* __res
 
 __global__ void combine_kernel(CombineArgs a) {
   const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i >= a.n) return;
-  const RowResult r = combine_row(a.stats + i * a.k * kStatWidth, a.k, a.target_logit[i], a.targets[i],
-                                  a.real_vocab, a.ignore_index, a.keep_sum ? a.keep_sum + i * a.k : nullptr);
-  if (a.logp) a.logp[i] = r.logp;
-  if (a.entropy) a.entropy[i] = r.entropy;
-  if (a.m) a.m[i] = r.m;
-  if (a.log_s) a.log_s[i] = r.log_s;
-  if (a.log_s_keep) a.log_s_keep[i] = r.log_s_keep;
+  if (i < a.n) combine_one(a, i);
 }
 
 template <typename K> cudaError_t set_smem(K kernel, size_t bytes) {

@@ -272,6 +272,17 @@ struct CombineArgs {
   float* log_s_keep = nullptr;
 };
 
+// Row i of a combine (every backend's combine runs this per row).
+RLK_HD void combine_one(const CombineArgs& a, int64_t i) {
+  const RowResult r = combine_row(a.stats + i * a.k * kStatWidth, a.k, a.target_logit[i], a.targets[i], a.real_vocab,
+                                  a.ignore_index, a.keep_sum ? a.keep_sum + i * a.k : nullptr);
+  if (a.logp) a.logp[i] = r.logp;
+  if (a.entropy) a.entropy[i] = r.entropy;
+  if (a.m) a.m[i] = r.m;
+  if (a.log_s) a.log_s[i] = r.log_s;
+  if (a.log_s_keep) a.log_s_keep[i] = r.log_s_keep;
+}
+
 // Backward. Rows whose target is ignored or invalid get no gradient.
 //   in : as forward, plus the combine's m [n] and log_s [n], entropy [n] (null when !with_entropy), g = dL/dlogp [n],
 //        e = dL/dentropy [n] (null when !with_entropy)
