@@ -10,7 +10,8 @@ every path of PATHS that is installed:
 The fast and lean paths of one frontend run the same forward: it is measured once and reported
 on both rows.
 
-Per path: forward and forward+backward (gradients of sum(logp * g) w.r.t. hidden and weight)
+Once per run: the sustained bf16 GEMM rate (SUSTAINED_GEMM, the three-GEMM floor's rate in the
+report). Per path: forward and forward+backward (gradients of sum(logp * g) w.r.t. hidden and weight)
 median times, peak extra memory of forward+backward, the logp error against float64 on 256
 sampled rows, and the dH and dW errors against float64 on the first 512 rows (full vocab).
 Results go to OUT/benchmarks.json after every shape, with the table and plots of plot_report.py.
@@ -409,6 +410,18 @@ def select_paths(names):
     return {k: found[k] for k in PATHS if k in found}
 
 
+SUSTAINED_GEMM = 8192  # a square bf16 GEMM of this size runs at the chip's sustained rate
+
+
+def sustained_tflops():
+    """The sustained bf16 GEMM rate of this GPU: a large square torch matmul, do_bench's median."""
+    a = torch.randn(SUSTAINED_GEMM, SUSTAINED_GEMM, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(SUSTAINED_GEMM, SUSTAINED_GEMM, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        ms = bench_ms(lambda: a @ b)
+    return 2.0 * SUSTAINED_GEMM ** 3 / ms / 1e9
+
+
 def run_meta(accuracy):
     versions = {}
     for dist in VERSIONED:
@@ -418,7 +431,8 @@ def run_meta(accuracy):
             versions[dist] = None
     return dict(date=datetime.datetime.now().isoformat(timespec="minutes"), gpu=torch.cuda.get_device_name(),
                 versions=versions, command=" ".join(["python"] + sys.argv),
-                logp_rows=LOGP_ROWS, grad_rows=GRAD_ROWS if accuracy else None)
+                logp_rows=LOGP_ROWS, grad_rows=GRAD_ROWS if accuracy else None,
+                sustained=dict(tflops=sustained_tflops(), gemm=f"{SUSTAINED_GEMM}^3 bf16 torch matmul"))
 
 
 def parse_args():
@@ -452,7 +466,7 @@ def main():
         with open(os.path.join(args.out, "benchmarks.json"), "w") as f:
             json.dump(data, f, indent=1)
         plot_report.write_report(data, args.out)  # after every shape: a run cut short still leaves its results
-        print(plot_report.shape_table(rows[-1]), flush=True)
+        print(plot_report.shape_table(rows[-1], plot_report.sustained_rate(meta)), flush=True)
 
 
 if __name__ == "__main__":

@@ -26,8 +26,11 @@ COLORS = {"rlk_xla_fast": "#1f4e9c", "rlk_xla_lean": "#7fa7e0", "torch_bridge_fa
           "torch_native": "#7b4fa0", "liger": "#c0392b", "cce": "#e377c2"}
 MEM_FLOOR = 0.1  # MB: the bottom of the log-scale memory plot
 ORDER = ("T1", "T2", "T3", "T3-tp1", "Q8B-tp4", "L16k", "H200-pub")  # docs/design.md §6
-COLUMNS = ("path", "fwd ms", "fwd/GEMM", "fwd+bwd ms", "fwd+bwd/GEMM", "peak extra MB", "torch peak reserved MB",
-           "logp rel err", "dH rel", "dW rel")
+COLUMNS = ("path", "fwd ms", "fwd/GEMM", "fwd TFLOP/s", "fwd+bwd ms", "fwd+bwd/GEMM", "fwd+bwd TFLOP/s",
+           "fwd+bwd/floor", "peak extra MB", "torch peak reserved MB", "logp rel err", "dH rel", "dW rel")
+# The fastest published peer we cannot run here (its own report, not our measurement).
+PUBLISHED = {"H200-pub": "QuACK's fused linear cross-entropy reports 17.3 ms forward+backward at this shape on an "
+                         "H200 (Liger's CuTe kernel 18.1 ms); published figures, not measured here."}
 
 
 def path_order(rows):
@@ -56,10 +59,29 @@ def _ms(p, key):
     return _num(p.get(key + "_ms"), ".2f") + spread
 
 
-def shape_table(row):
-    """One shape: a heading, the table, and the paths that failed (with what they still measured)."""
+def gemm_flop(row):
+    """The FLOP of one GEMM of the shape: the forward does one, forward+backward three (the logits,
+    dH, dW), whatever else a path spends."""
+    return 2.0 * row["n"] * row["h"] * row["v"]
+
+
+def floor_ms(row, sustained_tflops):
+    """The three GEMMs of forward+backward at the sustained rate: what no path can beat."""
+    return 3 * gemm_flop(row) / sustained_tflops / 1e9 if sustained_tflops else None
+
+
+def _tflops(flop, ms):
+    return flop / ms / 1e9 if ms else None
+
+
+def shape_table(row, sustained_tflops=None):
+    """One shape: a heading, the table, and the paths that failed (with what they still measured).
+    sustained_tflops: the run's sustained GEMM rate (the floor column; "-" without it)."""
+    floor = floor_ms(row, sustained_tflops)
     lines = [f"## {row['shape']}: {row['n']} x {row['h']} x {row['v']} "
-             f"(cuBLAS GEMM {row['gemm_ms']:.2f} ms, {row['gemm_tflops']:.0f} TFLOP/s)", "",
+             f"(cuBLAS GEMM {row['gemm_ms']:.2f} ms, {row['gemm_tflops']:.0f} TFLOP/s"
+             + (f"; three-GEMM floor {floor:.2f} ms at {sustained_tflops:.0f} TFLOP/s)" if floor else ")"), "",
+             *([PUBLISHED[row["shape"]], ""] if row["shape"] in PUBLISHED else []),
              "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     errors = []
     for name, p in row["paths"].items():
@@ -69,8 +91,12 @@ def shape_table(row):
         if "error" in p:
             label += " (failed)"
             errors.append(f"- {name}: `{p['error']}`")
-        cells = [label, _ms(p, "fwd"), _num(p.get("fwd_x_gemm"), ".2f"), _ms(p, "fb"),
-                 _num(p.get("fb_x_gemm"), ".2f"), _mb(p.get("fb_mem_mb")), _mb(p.get("fb_reserved_mb")),
+        fb_ms = p.get("fb_ms")
+        cells = [label, _ms(p, "fwd"), _num(p.get("fwd_x_gemm"), ".2f"),
+                 _num(_tflops(gemm_flop(row), p.get("fwd_ms")), ".0f"), _ms(p, "fb"),
+                 _num(p.get("fb_x_gemm"), ".2f"), _num(_tflops(3 * gemm_flop(row), fb_ms), ".0f"),
+                 _num(fb_ms / floor if fb_ms and floor else None, ".2f"),
+                 _mb(p.get("fb_mem_mb")), _mb(p.get("fb_reserved_mb")),
                  _num(p.get("logp_rel"), ".1e"),
                  _num(p.get("dh_rel"), ".1e"), _num(p.get("dw_rel"), ".1e")]
         lines.append("| " + " | ".join(cells) + " |")
@@ -101,15 +127,27 @@ def header(meta):
         "paused while timing, as timeit does). With --repeat, this project's paths were timed several times in "
         "turn: the median, and the range in brackets. Targets: fwd 1.10, fast fwd+bwd 3.4, "
         "lean fwd+bwd 4.5.",
+        "- **TFLOP/s and the floor:** fwd TFLOP/s counts one GEMM of the shape (2 N H V), fwd+bwd three "
+        "(the logits, dH, dW), whatever else a path does; fwd+bwd/floor is the ratio to those three GEMMs at the "
+        "sustained bf16 rate "
+        + (f"({meta['sustained']['tflops']:.0f} TFLOP/s, {meta['sustained']['gemm']}"
+           + (f", measured {meta['sustained']['date']}" if "date" in meta["sustained"] else ", this run") + ")"
+           if "sustained" in meta else "(not measured in this run: '-')") + ".",
         "- **Peak extra MB (fwd+bwd):** torch: peak allocated during one step beyond its inputs and gradients; "
         "JAX: XLA's temp bytes of the jitted step.",
         f"- **Accuracy:** logp rel: ||logp - float64|| / ||float64|| on {meta['logp_rows']} sampled rows. {grads}",
         ""])
 
 
+def sustained_rate(meta):
+    """The run's sustained GEMM TFLOP/s (bench_gpu.sustained_tflops), or None for a run without it."""
+    return meta.get("sustained", {}).get("tflops")
+
+
 def write_table(data, path):
     with open(path, "w") as f:
-        f.write(header(data["meta"]) + "\n" + "\n".join(shape_table(r) for r in data["rows"]))
+        rate = sustained_rate(data["meta"])
+        f.write(header(data["meta"]) + "\n" + "\n".join(shape_table(r, rate) for r in data["rows"]))
 
 
 # ---- the plots ----

@@ -16,5 +16,20 @@ def test_table_shows_median_and_range_of_repeated_timings():
     lines = plot_report.shape_table(row).splitlines()
     ours = next(s for s in lines if s.startswith("| **rlk_xla_fast**"))
     peer = next(s for s in lines if s.startswith("| liger"))
-    assert "| 3.30 (3.25–3.40) | 1.10 | 10.00 (9.90–10.20) | 3.33 |" in ours
-    assert "| 4.40 | 1.47 | 20.50 | 6.83 |" in peer
+    assert "| 3.30 (3.25–3.40) | 1.10 | 644 | 10.00 (9.90–10.20) | 3.33 | 637 | - |" in ours
+    assert "| 4.40 | 1.47 | 483 | 20.50 | 6.83 | 311 | - |" in peer
+
+
+def test_tflops_and_the_three_gemm_floor():
+    """fwd counts one GEMM's FLOP, fwd+bwd three; the floor is those three at the sustained rate."""
+    n, h, v = 4096, 4096, 128256
+    flop = 2.0 * n * h * v
+    row = dict(shape="H200-pub", n=n, h=h, v=v, gemm_ms=6.27, gemm_tflops=flop / 6.27e9, paths={
+        "rlk_xla_fast": dict(fwd_ms=6.37, fwd_x_gemm=6.37 / 6.27, fb_ms=19.35, fb_x_gemm=19.35 / 6.27)})
+    floor = 3 * flop / 790.0 / 1e9
+    assert abs(plot_report.floor_ms(row, 790.0) - floor) < 1e-12 and plot_report.floor_ms(row, None) is None
+    text = plot_report.shape_table(row, 790.0)
+    assert f"three-GEMM floor {floor:.2f} ms at 790 TFLOP/s" in text and "QuACK" in text
+    cells = next(s for s in text.splitlines() if s.startswith("| **rlk_xla_fast**")).split(" | ")
+    assert cells[3] == f"{flop / 6.37e9:.0f}" and cells[6] == f"{3 * flop / 19.35e9:.0f}"
+    assert cells[7] == f"{19.35 / floor:.2f}"
