@@ -2,8 +2,8 @@
 //
 // Layout of the work. Hidden is packed once per call into fp32 panels of kPanel rows, k-major
 // (`Ap[k][r]`), so the logits micro-kernel broadcasts one weight value and multiplies a whole
-// vector of rows. Weight tiles of kTileV vocab rows are read in their natural layout (`Wf[j][k]`),
-// in place when fp32, else converted to fp32. A logits tile is `T[j][r]` (vocab-major): every epilogue then works on vectors of
+// vector of rows. Weight tiles of kTileV vocab rows are converted to fp32 in their natural layout
+// (`Wf[j][k]`). A logits tile is `T[j][r]` (vocab-major): every epilogue then works on vectors of
 // rows, one lane per row, so a row's bits never depend on the other rows in the call.
 // bf16 operands on a CPU with AVX512-BF16 take the logits from bf16 pairs instead (`dp_bf16`):
 // vdpbf16ps multiplies two k of bf16 exactly and adds both products to the fp32 accumulator, twice
@@ -111,23 +111,11 @@ struct Panels {
   std::vector<uint32_t> pairs;
 };
 
-// A weight tile as the logits and the dH GEMM read it.
-struct WeightTile {
-  std::vector<float> buf;     // fp32 [kTileV][h], converted from 16-bit weights
-  const float* wf = nullptr;  // fp32 [rows][h]: the weight itself (fp32) or buf
-  int64_t rows = 0;
-  std::vector<uint32_t> wb;   // bf16 pairs [kTileV][h/2] (dp_bf16)
-};
-
-// Weight rows [v0, min(v0 + kTileV, v_end)) -> w.wf fp32, w.rows of them.
-void load_weight_tile(const Problem& p, const void* weight, int64_t v0, int64_t v_end, WeightTile& w) {
-  w.rows = std::max<int64_t>(0, std::min(kTileV, v_end - v0));
-  if (p.dtype == DType::kF32) {
-    w.wf = static_cast<const float*>(weight) + v0 * p.h;
-    return;
-  }
-  to_f32(p.dtype, weight, v0 * p.h, w.rows * p.h, w.buf.data());
-  w.wf = w.buf.data();
+// Weight rows [v0, v0 + kTileV) -> wf[kTileV][h] fp32; rows at or past `v_end` are zero.
+void load_weight_tile(const Problem& p, const void* weight, int64_t v0, int64_t v_end, float* wf) {
+  const int64_t rows = std::max<int64_t>(0, std::min(kTileV, v_end - v0));
+  to_f32(p.dtype, weight, v0 * p.h, rows * p.h, wf);
+  std::fill(wf + rows * p.h, wf + kTileV * p.h, 0.f);
 }
 
 // Weight rows [v0, v0 + kTileV) -> wb[kTileV][h/2] bf16 pairs (dp_bf16); rows past `v_end` zero.
@@ -138,6 +126,12 @@ void load_weight_pairs(const Problem& p, const void* weight, int64_t v0, int64_t
     for (int64_t k = 0; k < hk; ++k) wb[j * hk + k] = bf16_pair(w + (v0 + j) * p.h, k, p.h);
   std::fill(wb + rows * hk, wb + kTileV * hk, 0u);
 }
+
+// A weight tile as the logits and the dH GEMM read it.
+struct WeightTile {
+  std::vector<float> wf;      // fp32 [kTileV][h]
+  std::vector<uint32_t> wb;   // bf16 pairs [kTileV][h/2] (dp_bf16)
+};
 
 // The GEMMs' operands: c[i][x] (+)= sum_{s < steps} a[s as + i ai] b[s bs + x] for rows i and
 // columns x of c (row i at c + i ci, columns contiguous).
@@ -197,11 +191,11 @@ void outer_grid(const Outer& o, int64_t m, int64_t nv, bool zero_c) {
     if (v < nv) outer_grid<M, NV - 1>(o.cols_from(v * kLanes), m, nv - v, zero_c);
 }
 
-// T[j][r] = sum_k wf[j][k] ap[k][r] for j < rows, r < kPanel. One accumulator chain per
+// T[j][r] = sum_k wf[j][k] ap[k][r] for j < kTileV, r < kPanel. One accumulator chain per
 // element, k in order: every logit of the library is computed by this function (or, dp_bf16, by
 // the pair version below).
-inline void logits_panel(const float* wf, const float* ap, int64_t h, int64_t rows, float* t, int64_t ldt) {
-  outer_grid<kGroupV, kLogitVecs>({wf, 1, h, ap, kPanel, h, t, ldt}, rows, kPanel / kLanes, true);
+inline void logits_panel(const float* wf, const float* ap, int64_t h, float* t, int64_t ldt) {
+  outer_grid<kGroupV, kLogitVecs>({wf, 1, h, ap, kPanel, h, t, ldt}, kTileV, kPanel / kLanes, true);
 }
 
 #if defined(__AVX512BF16__)
@@ -236,10 +230,9 @@ float dot_pairs(const uint16_t* x, const uint16_t* w, int64_t h) {
 }
 #endif
 
-// Logits tile T[rows][kBlock] for the row block starting at panel q0 (two panels); the tile's
-// rows past `rows` (padding vocab rows) are left as they are: nothing reads them.
-void logits_tile(const float* w, const float* ap, int64_t q0, int64_t h, int64_t rows, float* t) {
-  for (int64_t pq = 0; pq < 2; ++pq) logits_panel(w, ap + (q0 + pq) * kPanel * h, h, rows, t + pq * kPanel, kBlock);
+// Logits tile T[kTileV][kBlock] for the row block starting at panel q0 (two panels).
+void logits_tile(const float* w, const float* ap, int64_t q0, int64_t h, float* t) {
+  for (int64_t pq = 0; pq < 2; ++pq) logits_panel(w, ap + (q0 + pq) * kPanel * h, h, t + pq * kPanel, kBlock);
 }
 
 #if defined(__AVX512BF16__)
@@ -256,18 +249,18 @@ void tile_logits(const Problem& p, const Panels& ap, const WeightTile& w, int64_
 #if defined(__AVX512BF16__)
   if (dp_bf16(p)) return logits_tile(w.wb.data(), ap.pairs.data(), 2 * blk, pair_steps(p), t);
 #endif
-  logits_tile(w.wf, ap.f32.data(), 2 * blk, p.h, w.rows, t);
+  logits_tile(w.wf.data(), ap.f32.data(), 2 * blk, p.h, t);
 }
 
 // The weight tile the logits read (wb when dp_bf16, else wf).
 void load_logits_weight(const Problem& p, const void* weight, int64_t v0, int64_t v_end, WeightTile& w) {
   if (dp_bf16(p)) load_weight_pairs(p, weight, v0, v_end, w.wb.data());
-  else load_weight_tile(p, weight, v0, v_end, w);
+  else load_weight_tile(p, weight, v0, v_end, w.wf.data());
 }
 
 WeightTile weight_tile(const Problem& p) {
   WeightTile w;
-  if (p.dtype != DType::kF32) w.buf.resize(size_t(kTileV * p.h));
+  w.wf.resize(size_t(kTileV * p.h));
   if (dp_bf16(p)) w.wb.resize(size_t(kTileV * pair_steps(p)));
   return w;
 }
@@ -652,14 +645,14 @@ void dhidden_unit(const Problem& p, const BwdArgs& a, const Panels& ap, int64_t 
     for (int64_t v0 = c0; v0 < std::min(c0 + p.chunk, real_end); v0 += kTileV) {
       const int64_t valid = std::min({kTileV, c0 + p.chunk - v0, real_end - v0});
       const int64_t tile = c0 / p.chunk * tiles_per_chunk + (v0 - c0) / kTileV;
-      load_weight_tile(p, a.weight, v0, v0 + valid, s.w);  // dH's operand
+      load_weight_tile(p, a.weight, v0, v0 + valid, s.w.wf.data());  // dH's operand
       if (!a.logits && dp_bf16(p)) load_weight_pairs(p, a.weight, v0, v0 + valid, s.w.wb.data());
       z_tile(p, a, ap, blk, v0, valid, tile, rb, s.w, s.t.data(), kind);
       if (a.keep) keep_tile(p, a.keep, blk * kBlock, v0, valid, s.kt.data());
       dlogit_tile(s.t.data(), p.vocab_start + v0, valid, rb, kind, p.with_entropy, a.keep ? s.kt.data() : nullptr,
                   kind.q ? nullptr : dzz);
       // dh[r][k] += sum_j dlogit[j][r] wf[j][k], j in order.
-      outer_grid<kDhRows, kDhVecs>({s.t.data(), kBlock, 1, s.w.wf, p.h, valid, s.dh.data(), p.h}, kBlock,
+      outer_grid<kDhRows, kDhVecs>({s.t.data(), kBlock, 1, s.w.wf.data(), p.h, valid, s.dh.data(), p.h}, kBlock,
                                    p.h / kLanes, false);
       for (int64_t k = p.h - p.h % kLanes; k < p.h; ++k)  // h tail, same order per element
         for (int64_t r = 0; r < kBlock; ++r) {
