@@ -158,7 +158,13 @@ inline __attribute__((always_inline)) void outer_block(const Outer& o, bool zero
   for (int64_t s = 0; s < o.steps; ++s) {
     fvec b[NV];
 #pragma GCC unroll 16
-    for (int v = 0; v < NV; ++v) b[v] = vload(o.b + s * o.bs + v * kLanes);
+    for (int v = 0; v < NV; ++v) {
+      // b in a register: GCC would otherwise fold the load into each of the M FMAs that use it,
+      // M loads a vector instead of one, and the loads, not the FMAs, would set the pace.
+      fvec x = vload(o.b + s * o.bs + v * kLanes);
+      __asm__("" : "+v"(x));
+      b[v] = x;
+    }
 #pragma GCC unroll 16
     for (int i = 0; i < M; ++i) {
       const fvec x = broadcast(o.a[s * o.as + i * o.ai]);
@@ -651,9 +657,10 @@ void dhidden_unit(const Problem& p, const BwdArgs& a, const Panels& ap, int64_t 
       if (a.keep) keep_tile(p, a.keep, blk * kBlock, v0, valid, s.kt.data());
       dlogit_tile(s.t.data(), p.vocab_start + v0, valid, rb, kind, p.with_entropy, a.keep ? s.kt.data() : nullptr,
                   kind.q ? nullptr : dzz);
-      // dh[r][k] += sum_j dlogit[j][r] wf[j][k], j in order.
-      outer_grid<kDhRows, kDhVecs>({s.t.data(), kBlock, 1, s.w.wf.data(), p.h, valid, s.dh.data(), p.h}, kBlock,
-                                   p.h / kLanes, false);
+      // dh[r][k] += sum_j dlogit[j][r] wf[j][k], j in order: kDhRows rows at a time over all k.
+      for (int64_t r = 0; r < kBlock; r += kDhRows)
+        outer_grid<kDhRows, kDhVecs>({s.t.data() + r, kBlock, 1, s.w.wf.data(), p.h, valid, s.dh.data() + r * p.h, p.h},
+                                     std::min<int64_t>(kDhRows, kBlock - r), p.h / kLanes, false);
       for (int64_t k = p.h - p.h % kLanes; k < p.h; ++k)  // h tail, same order per element
         for (int64_t r = 0; r < kBlock; ++r) {
           float acc = s.dh[r * p.h + k];
