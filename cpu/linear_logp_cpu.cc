@@ -33,11 +33,32 @@
 namespace rlk::cpu {
 namespace {
 
-constexpr int64_t kPanel = 32;           // rows per packed hidden panel (two vectors)
+constexpr int64_t kPanel = 32;           // rows per packed hidden panel
 constexpr int64_t kBlock = 2 * kPanel;   // rows per work unit
 constexpr int64_t kTileV = 64;           // vocab rows per weight tile
-constexpr int64_t kGroupV = 8;           // vocab rows per logits micro-kernel call
 constexpr int kRowVecs = kBlock / kLanes;
+
+// Register blocks of the GEMMs (outer_block): a block of M broadcast scalars by NV vectors keeps M * NV
+// accumulators, NV operand vectors and one broadcast in registers.
+#if defined(__AVX512F__)
+// 32 zmm registers: 16 accumulators.
+constexpr int64_t kGroupV = 8;  // logits: vocab rows per block (also the bf16 pair kernel's)
+constexpr int kLogitVecs = 2;   //   by vectors of hidden rows
+constexpr int kDhRows = 8;      // dH: hidden rows per block
+constexpr int kDhVecs = 2;      //   by vectors of k
+constexpr int kDwK = 4;         // dW: k per block
+constexpr int kDwVecs = 4;      //   by vectors of vocab rows
+#else
+// 16 ymm registers: 12 accumulators, 2 operand vectors and the broadcast; 12 independent FMA chains
+// cover the FMA latency at two FMAs a cycle.
+constexpr int64_t kGroupV = 6;
+constexpr int kLogitVecs = 2;
+constexpr int kDhRows = 6;
+constexpr int kDhVecs = 2;
+constexpr int kDwK = 6;
+constexpr int kDwVecs = 2;
+#endif
+static_assert(kPanel % (kLogitVecs * kLanes) == 0 && kTileV % (kDwVecs * kLanes) == 0);
 
 inline int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
@@ -112,23 +133,75 @@ struct WeightTile {
   std::vector<uint32_t> wb;   // bf16 pairs [kTileV][h/2] (dp_bf16)
 };
 
-// T[j][r] = sum_k wf[j][k] ap[k][r] for j < kGroupV, r < kPanel. One accumulator chain per
-// element, k in order: every logit of the library is computed by this function (or, dp_bf16, by
-// the pair version below).
-inline void logits_micro(const float* wf, const float* ap, int64_t h, float* t, int64_t ldt) {
-  f32x16 acc[kGroupV][2] = {};
-  for (int64_t k = 0; k < h; ++k) {
-    const f32x16 b0 = load16(ap + k * kPanel), b1 = load16(ap + k * kPanel + kLanes);
-    for (int64_t j = 0; j < kGroupV; ++j) {
-      const float w = wf[j * h + k];
-      acc[j][0] += w * b0;
-      acc[j][1] += w * b1;
+// The GEMMs' operands: c[i][x] (+)= sum_{s < steps} a[s as + i ai] b[s bs + x] for rows i and
+// columns x of c (row i at c + i ci, columns contiguous).
+struct Outer {
+  const float* a;
+  int64_t as, ai;
+  const float* b;
+  int64_t bs, steps;
+  float* c;
+  int64_t ci;
+  Outer rows_from(int64_t i) const { return {a + i * ai, as, ai, b, bs, steps, c + i * ci, ci}; }
+  Outer cols_from(int64_t x) const { return {a, as, ai, b + x, bs, steps, c + x, ci}; }
+};
+
+// Rows i < M by NV vectors of columns, accumulators in registers: each element is one FMA chain
+// over s in increasing order, from 0 (zero_c) or from c's value.
+template <int M, int NV>
+inline __attribute__((always_inline)) void outer_block(const Outer& o, bool zero_c) {
+  fvec acc[M][NV];
+#pragma GCC unroll 16
+  for (int i = 0; i < M; ++i)
+#pragma GCC unroll 16
+    for (int v = 0; v < NV; ++v) acc[i][v] = zero_c ? splat(0.f) : vload(o.c + i * o.ci + v * kLanes);
+  for (int64_t s = 0; s < o.steps; ++s) {
+    fvec b[NV];
+#pragma GCC unroll 16
+    for (int v = 0; v < NV; ++v) {
+      // b in a register: GCC would otherwise fold the load into each of the M FMAs that use it,
+      // M loads a vector instead of one, and the loads, not the FMAs, would set the pace.
+      fvec x = vload(o.b + s * o.bs + v * kLanes);
+      __asm__("" : "+v"(x));
+      b[v] = x;
+    }
+#pragma GCC unroll 16
+    for (int i = 0; i < M; ++i) {
+      const fvec x = broadcast(o.a[s * o.as + i * o.ai]);
+#pragma GCC unroll 16
+      for (int v = 0; v < NV; ++v) acc[i][v] = vfma(x, b[v], acc[i][v]);
     }
   }
-  for (int64_t j = 0; j < kGroupV; ++j) {
-    store16(t + j * ldt, acc[j][0]);
-    store16(t + j * ldt + kLanes, acc[j][1]);
-  }
+#pragma GCC unroll 16
+  for (int i = 0; i < M; ++i)
+#pragma GCC unroll 16
+    for (int v = 0; v < NV; ++v) vstore(o.c + i * o.ci + v * kLanes, acc[i][v]);
+}
+
+// Rows [0, m) in blocks of M (the last m % M rows by smaller blocks), NV vectors of columns.
+template <int M, int NV>
+void outer_rows(const Outer& o, int64_t m, bool zero_c) {
+  int64_t i = 0;
+  for (; i + M <= m; i += M) outer_block<M, NV>(o.rows_from(i), zero_c);
+  if constexpr (M > 1)
+    if (i < m) outer_rows<M - 1, NV>(o.rows_from(i), m - i, zero_c);
+}
+
+// Rows [0, m) by nv vectors of columns: blocks of NV vectors (the rest by smaller blocks), each
+// over all rows.
+template <int M, int NV>
+void outer_grid(const Outer& o, int64_t m, int64_t nv, bool zero_c) {
+  int64_t v = 0;
+  for (; v + NV <= nv; v += NV) outer_rows<M, NV>(o.cols_from(v * kLanes), m, zero_c);
+  if constexpr (NV > 1)
+    if (v < nv) outer_grid<M, NV - 1>(o.cols_from(v * kLanes), m, nv - v, zero_c);
+}
+
+// T[j][r] = sum_k wf[j][k] ap[k][r] for j < kTileV, r < kPanel. One accumulator chain per
+// element, k in order: every logit of the library is computed by this function (or, dp_bf16, by
+// the pair version below).
+inline void logits_panel(const float* wf, const float* ap, int64_t h, float* t, int64_t ldt) {
+  outer_grid<kGroupV, kLogitVecs>({wf, 1, h, ap, kPanel, h, t, ldt}, kTileV, kPanel / kLanes, true);
 }
 
 #if defined(__AVX512BF16__)
@@ -163,14 +236,19 @@ float dot_pairs(const uint16_t* x, const uint16_t* w, int64_t h) {
 }
 #endif
 
-// Logits tile T[kTileV][kBlock] for the row block starting at panel q0 (two panels); hk steps of
-// k (fp32) or of pairs of k (bf16 pairs).
-template <class E>
-void logits_tile(const E* w, const E* ap, int64_t q0, int64_t hk, float* t) {
+// Logits tile T[kTileV][kBlock] for the row block starting at panel q0 (two panels).
+void logits_tile(const float* w, const float* ap, int64_t q0, int64_t h, float* t) {
+  for (int64_t pq = 0; pq < 2; ++pq) logits_panel(w, ap + (q0 + pq) * kPanel * h, h, t + pq * kPanel, kBlock);
+}
+
+#if defined(__AVX512BF16__)
+// The same from bf16 pairs (hk pair steps).
+void logits_tile(const uint32_t* w, const uint32_t* ap, int64_t q0, int64_t hk, float* t) {
   for (int64_t pq = 0; pq < 2; ++pq)
     for (int64_t j = 0; j < kTileV; j += kGroupV)
       logits_micro(w + j * hk, ap + (q0 + pq) * kPanel * hk, hk, t + j * kBlock + pq * kPanel, kBlock);
 }
+#endif
 
 // The logits tile of row block blk from the weight tile w.
 void tile_logits(const Problem& p, const Panels& ap, const WeightTile& w, int64_t blk, float* t) {
@@ -195,18 +273,18 @@ WeightTile weight_tile(const Problem& p) {
 
 // Per-row data of one row block, as vectors of rows.
 struct RowBlock {
-  f32x16 inv_temp[kRowVecs], m[kRowVecs], log_s[kRowVecs], c[kRowVecs], g[kRowVecs], e[kRowVecs];  // c = log_s - ent
-  f32x16 log_s_keep[kRowVecs];  // the nucleus's (BwdArgs::keep)
-  i32x16 target[kRowVecs];
-  f32x16 active[kRowVecs];  // 1 for rows that get gradient, else 0
+  fvec inv_temp[kRowVecs], m[kRowVecs], log_s[kRowVecs], c[kRowVecs], g[kRowVecs], e[kRowVecs];  // c = log_s - ent
+  fvec log_s_keep[kRowVecs];  // the nucleus's (BwdArgs::keep)
+  ivec target[kRowVecs];
+  fvec active[kRowVecs];  // 1 for rows that get gradient, else 0
 };
 
 // z = (acc + b_j) * inv_temp, in place, for the first `valid` vocab rows of the tile.
-void scale_tile(float* t, const float* bias_f, int64_t valid, const f32x16* inv_temp) {
+void scale_tile(float* t, const float* bias_f, int64_t valid, const fvec* inv_temp) {
   for (int64_t j = 0; j < valid; ++j)
     for (int rv = 0; rv < kRowVecs; ++rv) {
       float* z = t + j * kBlock + rv * kLanes;
-      store16(z, (load16(z) + (bias_f ? bias_f[j] : 0.f)) * inv_temp[rv]);
+      vstore(z, (vload(z) + (bias_f ? bias_f[j] : 0.f)) * inv_temp[rv]);
     }
 }
 
@@ -305,14 +383,14 @@ void forward_unit(const Problem& p, const FwdArgs& a, const Panels& ap, int64_t 
   const bool keep_q = a.logits && !kept_f32(p);  // the 16-bit kept record: q, tile maxima, moments
   const KeptRow row(p);
   // sk, ak: s and a over the nucleus (with a.keep; ak only for the kept record)
-  f32x16 inv_temp[kRowVecs], m[kRowVecs], sum[kRowVecs], acc_a[kRowVecs], acc_b[kRowVecs], sk[kRowVecs], ak[kRowVecs];
+  fvec inv_temp[kRowVecs], m[kRowVecs], sum[kRowVecs], acc_a[kRowVecs], acc_b[kRowVecs], sk[kRowVecs], ak[kRowVecs];
   for (int rv = 0; rv < kRowVecs; ++rv) {
     float tmp[kLanes];
     for (int l = 0; l < kLanes; ++l) {
       const int64_t r = r0 + rv * kLanes + l;
       tmp[l] = r < p.n ? reciprocal(a.temperature[r]) : 1.f;
     }
-    inv_temp[rv] = load16(tmp);
+    inv_temp[rv] = vload(tmp);
     m[rv] = splat(-INFINITY);
     sum[rv] = acc_a[rv] = acc_b[rv] = sk[rv] = ak[rv] = splat(0.f);
   }
@@ -329,30 +407,30 @@ void forward_unit(const Problem& p, const FwdArgs& a, const Panels& ap, int64_t 
     for (int rv = 0; rv < kRowVecs; ++rv) {
       // The tile's sums from zero (few roundings at the row's scale), relative to the new max mt.
       // A NaN logit makes its sums NaN; a logit of -inf counts as probability 0.
-      f32x16 mt = m[rv];
-      for (int64_t j = 0; j < valid; ++j) mt = vmax(mt, load16(s.t.data() + j * kBlock + rv * kLanes));
-      f32x16 ts = splat(0.f), ta = splat(0.f), tb = splat(0.f), tsk = splat(0.f), tak = splat(0.f);
+      fvec mt = m[rv];
+      for (int64_t j = 0; j < valid; ++j) mt = vmax(mt, vload(s.t.data() + j * kBlock + rv * kLanes));
+      fvec ts = splat(0.f), ta = splat(0.f), tb = splat(0.f), tsk = splat(0.f), tak = splat(0.f);
       for (int64_t j = 0; j < valid; ++j) {
         float* zp = s.t.data() + j * kBlock + rv * kLanes;
-        const f32x16 z = load16(zp);
-        const i32x16 live = z != -INFINITY;
-        const f32x16 tz = live ? z - mt : splat(0.f);
-        const f32x16 ez = live ? vexp(tz) : splat(0.f);
+        const fvec z = vload(zp);
+        const ivec live = z != -INFINITY;
+        const fvec tz = live ? z - mt : splat(0.f);
+        const fvec ez = live ? vexp(tz) : splat(0.f);
         ts += ez;
         ta += ez * tz;
         tb += ez * tz * tz;  // also without keep_q: the same arithmetic, so the same bits, either way
         if (a.keep) {
-          const i32x16 kept = load16(s.kt.data() + j * kBlock + rv * kLanes) != 0.f;
+          const ivec kept = vload(s.kt.data() + j * kBlock + rv * kLanes) != 0.f;
           tsk += kept ? ez : splat(0.f);
           tak += kept ? ez * tz : splat(0.f);
         }
-        if (keep_q) store16(zp, ez);
+        if (keep_q) vstore(zp, ez);
       }
       // Fold the tile into the running sums, rescaled to mt (selects, not products: d is NaN
       // while m = mt = -inf; a NaN sum stays NaN).
-      const f32x16 d = m[rv] - mt;
-      const f32x16 alpha = vexp(d);
-      const i32x16 has = sum[rv] != 0.f;
+      const fvec d = m[rv] - mt;
+      const fvec alpha = vexp(d);
+      const ivec has = sum[rv] != 0.f;
       ak[rv] = has ? alpha * (ak[rv] + d * sk[rv]) + tak : tak;
       sk[rv] = has ? alpha * sk[rv] + tsk : tsk;
       acc_b[rv] = has ? alpha * (acc_b[rv] + d * (2.f * acc_a[rv] + d * sum[rv])) + tb : tb;
@@ -454,24 +532,24 @@ void load_row_block(const Problem& p, const BwdArgs& a, int64_t blk, RowBlock& r
 // nucleus's p = q wk, z - m = log q + d).
 struct TileKind {
   bool q = false;
-  f32x16 d[kRowVecs], w[kRowVecs], wk[kRowVecs];
+  fvec d[kRowVecs], w[kRowVecs], wk[kRowVecs];
 };
 
 // In place: z (or q) tile -> dlogit tile (dz * inv_temp); padded vocab rows and inactive rows give
 // 0. kt: the nucleus tile (keep_tile) or null. dzz (may be null) accumulates dz * (z - m) per row
 // in vocab order (z tiles only).
 void dlogit_tile(float* t, int64_t gid0, int64_t valid, const RowBlock& rb, const TileKind& kind, bool entropy,
-                 const float* kt, f32x16* dzz) {
+                 const float* kt, fvec* dzz) {
   for (int64_t j = 0; j < kTileV; ++j)
     for (int rv = 0; rv < kRowVecs; ++rv) {
       float* zp = t + j * kBlock + rv * kLanes;
       if (j >= valid) {
-        store16(zp, splat(0.f));
+        vstore(zp, splat(0.f));
         continue;
       }
-      const f32x16 x = load16(zp);
-      f32x16 zm, pr;
-      i32x16 live;
+      const fvec x = vload(zp);
+      fvec zm, pr;
+      ivec live;
       if (kind.q) {  // q = 0 (-inf, or below fp16): p = 0, and z - m is not needed
         live = x != 0.f;
         pr = x * kind.w[rv];
@@ -481,16 +559,16 @@ void dlogit_tile(float* t, int64_t gid0, int64_t valid, const RowBlock& rb, cons
         zm = live ? x - rb.m[rv] : splat(0.f);
         pr = live ? vexp(zm - rb.log_s[rv]) : splat(0.f);
       }
-      f32x16 delta = rb.target[rv] == int32_t(gid0 + j) ? splat(1.f) : splat(0.f), pk = pr;  // the logp term's p
+      fvec delta = rb.target[rv] == int32_t(gid0 + j) ? splat(1.f) : splat(0.f), pk = pr;  // the logp term's p
       if (kt) {  // the nucleus: kept (delta - pk), pk = exp((z - m) - log_s_keep)
-        const i32x16 kept = load16(kt + j * kBlock + rv * kLanes) != 0.f;  // a target's q may underflow: not live
+        const ivec kept = vload(kt + j * kBlock + rv * kLanes) != 0.f;  // a target's q may underflow: not live
         pk = kept & live ? (kind.q ? x * kind.wk[rv] : vexp(zm - rb.log_s_keep[rv])) : splat(0.f);
         delta = kept ? delta : splat(0.f);
       }
-      const f32x16 dz = rb.active[rv] > 0.f ? rb.g[rv] * (delta - pk) + rb.e[rv] * (live ? pr * (rb.c[rv] - zm) : splat(0.f))
+      const fvec dz = rb.active[rv] > 0.f ? rb.g[rv] * (delta - pk) + rb.e[rv] * (live ? pr * (rb.c[rv] - zm) : splat(0.f))
                                             : splat(0.f);
       if (dzz) dzz[rv] += live ? dz * zm : splat(0.f);
-      store16(zp, dz * rb.inv_temp[rv]);
+      vstore(zp, dz * rb.inv_temp[rv]);
     }
 }
 
@@ -513,7 +591,7 @@ void z_tile(const Problem& p, const BwdArgs& a, const Panels& ap, int64_t blk, i
       const int64_t r = blk * kBlock + rv * kLanes + l;
       mt[l] = rb.active[rv][l] > 0.f ? row.tile_max(a.logits, r)[tile] : 0.f;
     }
-    kind.d[rv] = load16(mt) - rb.m[rv];
+    kind.d[rv] = vload(mt) - rb.m[rv];
     kind.w[rv] = vexp(kind.d[rv] - rb.log_s[rv]);
     kind.wk[rv] = vexp(kind.d[rv] - rb.log_s_keep[rv]);
   }
@@ -522,7 +600,7 @@ void z_tile(const Problem& p, const BwdArgs& a, const Panels& ap, int64_t blk, i
 // sum_j dz_j (z_j - m) of this shard's columns for the rows of rb, from the 16-bit kept record's
 // fp32 chunk moments (m_c, s_c, a_c, b_c, sk_c, ak_c; moments_dzz, with a nucleus kept_moments_dzz)
 // and the target, when it is a column of this shard (and, with a nucleus, kept), g (z_t - m).
-void kept_dzz(const Problem& p, const BwdArgs& a, int64_t blk, const RowBlock& rb, f32x16* dzz) {
+void kept_dzz(const Problem& p, const BwdArgs& a, int64_t blk, const RowBlock& rb, fvec* dzz) {
   const KeptRow row(p);
   const int64_t real_end = std::clamp<int64_t>(p.real_vocab - p.vocab_start, 0, p.v);
   for (int rv = 0; rv < kRowVecs; ++rv)
@@ -543,7 +621,7 @@ void kept_dzz(const Problem& p, const BwdArgs& a, int64_t blk, const RowBlock& r
 // dT needs sum_j dz_j z_j = sum_j dz_j (z_j - m) + m sum_j dz_j. sum_j dz_j = 0 (the nucleus's p
 // sums to 1 over the shards) unless the target is outside the nucleus: then it is -g, added here by
 // the target's shard.
-void outside_nucleus_dzz(const Problem& p, const BwdArgs& a, int64_t blk, const RowBlock& rb, f32x16* dzz) {
+void outside_nucleus_dzz(const Problem& p, const BwdArgs& a, int64_t blk, const RowBlock& rb, fvec* dzz) {
   const int64_t real_end = std::clamp<int64_t>(p.real_vocab - p.vocab_start, 0, p.v);
   for (int rv = 0; rv < kRowVecs; ++rv)
     for (int l = 0; l < kLanes; ++l) {
@@ -563,7 +641,7 @@ struct BwdScratch {
 void dhidden_unit(const Problem& p, const BwdArgs& a, const Panels& ap, int64_t blk, BwdScratch& s) {
   RowBlock rb;
   load_row_block(p, a, blk, rb);
-  f32x16 dzz[kRowVecs] = {};
+  fvec dzz[kRowVecs] = {};
   TileKind kind;
   if (a.logits && !kept_f32(p)) kept_dzz(p, a, blk, rb, dzz);
   std::fill(s.dh.begin(), s.dh.end(), 0.f);
@@ -579,31 +657,14 @@ void dhidden_unit(const Problem& p, const BwdArgs& a, const Panels& ap, int64_t 
       if (a.keep) keep_tile(p, a.keep, blk * kBlock, v0, valid, s.kt.data());
       dlogit_tile(s.t.data(), p.vocab_start + v0, valid, rb, kind, p.with_entropy, a.keep ? s.kt.data() : nullptr,
                   kind.q ? nullptr : dzz);
-      // dh[r][k] += sum_j dlogit[j][r] wf[j][k]: eight rows by two vectors of k per step.
-      for (int64_t r = 0; r < kBlock; r += 8)
-        for (int64_t k = 0; k + 2 * kLanes <= p.h; k += 2 * kLanes) {
-          f32x16 acc[8][2];
-          for (int i = 0; i < 8; ++i) {
-            acc[i][0] = load16(&s.dh[(r + i) * p.h + k]);
-            acc[i][1] = load16(&s.dh[(r + i) * p.h + k + kLanes]);
-          }
-          for (int64_t j = 0; j < valid; ++j) {
-            const f32x16 w0 = load16(&s.w.wf[j * p.h + k]), w1 = load16(&s.w.wf[j * p.h + k + kLanes]);
-            const float* d = s.t.data() + j * kBlock + r;
-            for (int i = 0; i < 8; ++i) {
-              acc[i][0] += d[i] * w0;
-              acc[i][1] += d[i] * w1;
-            }
-          }
-          for (int i = 0; i < 8; ++i) {
-            store16(&s.dh[(r + i) * p.h + k], acc[i][0]);
-            store16(&s.dh[(r + i) * p.h + k + kLanes], acc[i][1]);
-          }
-        }
-      for (int64_t k = p.h - p.h % (2 * kLanes); k < p.h; ++k)  // h tail, same order per element
+      // dh[r][k] += sum_j dlogit[j][r] wf[j][k], j in order: kDhRows rows at a time over all k.
+      for (int64_t r = 0; r < kBlock; r += kDhRows)
+        outer_grid<kDhRows, kDhVecs>({s.t.data() + r, kBlock, 1, s.w.wf.data(), p.h, valid, s.dh.data() + r * p.h, p.h},
+                                     std::min<int64_t>(kDhRows, kBlock - r), p.h / kLanes, false);
+      for (int64_t k = p.h - p.h % kLanes; k < p.h; ++k)  // h tail, same order per element
         for (int64_t r = 0; r < kBlock; ++r) {
           float acc = s.dh[r * p.h + k];
-          for (int64_t j = 0; j < valid; ++j) acc += s.t[j * kBlock + r] * s.w.wf[j * p.h + k];
+          for (int64_t j = 0; j < valid; ++j) acc = std::fma(s.t[j * kBlock + r], s.w.wf[j * p.h + k], acc);
           s.dh[r * p.h + k] = acc;
         }
     }
@@ -643,27 +704,11 @@ void dweight_unit(const Problem& p, const BwdArgs& a, const Panels& ap, int64_t 
           dt[r * kTileV + j] = s.t[j * kBlock + r];
           db[j] += s.t[j * kBlock + r];
         }
-      // dwt[k][j] += sum_r ap[k][r] dt[r][j]: four k by four vectors of j per step.
-      for (int64_t pq = 0; pq < 2; ++pq) {
-        const float* apq = ap.f32.data() + (2 * blk + pq) * kPanel * p.h;
-        const float* dtq = dt.data() + pq * kPanel * kTileV;
-        for (int64_t k = 0; k < p.h; k += 4) {
-          const int kk = int(std::min<int64_t>(4, p.h - k));
-          f32x16 acc[4][4];
-          for (int i = 0; i < kk; ++i)
-            for (int jv = 0; jv < 4; ++jv) acc[i][jv] = load16(&s.dwt[(k + i) * kTileV + jv * kLanes]);
-          for (int64_t r = 0; r < kPanel; ++r) {
-            f32x16 d[4];
-            for (int jv = 0; jv < 4; ++jv) d[jv] = load16(dtq + r * kTileV + jv * kLanes);
-            for (int i = 0; i < kk; ++i) {
-              const float hv = apq[(k + i) * kPanel + r];
-              for (int jv = 0; jv < 4; ++jv) acc[i][jv] += hv * d[jv];
-            }
-          }
-          for (int i = 0; i < kk; ++i)
-            for (int jv = 0; jv < 4; ++jv) store16(&s.dwt[(k + i) * kTileV + jv * kLanes], acc[i][jv]);
-        }
-      }
+      // dwt[k][j] += sum_r ap[k][r] dt[r][j], r in order.
+      for (int64_t pq = 0; pq < 2; ++pq)
+        outer_grid<kDwK, kDwVecs>({ap.f32.data() + (2 * blk + pq) * kPanel * p.h, 1, kPanel,
+                                   dt.data() + pq * kPanel * kTileV, kTileV, kPanel, s.dwt.data(), kTileV},
+                                  p.h, kTileV / kLanes, false);
     }
   }
   float* row = s.row.data();

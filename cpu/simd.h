@@ -1,67 +1,103 @@
-// Small SIMD vocabulary for the CPU backend: GCC/Clang vector extensions (AVX-512 registers when
-// the target has them, pairs of AVX2 registers otherwise), dtype conversions, and an exp that the
-// compiler can vectorize. Everything here is exact-order arithmetic: no reassociation, so results
-// are the same bits on every run.
+// Small SIMD vocabulary for the CPU backend: GCC/Clang vector extensions one register wide (16 fp32
+// lanes on AVX-512, 8 on AVX2: a wider vector has no register type there and GCC lowers it through
+// the stack), dtype conversions, and an exp that the compiler can vectorize. Everything here is
+// exact-order arithmetic: no reassociation, so results are the same bits on every run.
 #pragma once
 
 #include <cstdint>
 #include <cstring>
 
+#if defined(__AVX__)
+#include <immintrin.h>
+#endif
+
 #include "rlk/linear_logp.h"
 
 namespace rlk::cpu {
 
+#if defined(__AVX512F__)
 constexpr int kLanes = 16;
-typedef float f32x16 __attribute__((vector_size(64), aligned(4)));
-typedef int32_t i32x16 __attribute__((vector_size(64), aligned(4)));
+#else
+constexpr int kLanes = 8;
+#endif
+typedef float fvec __attribute__((vector_size(kLanes * 4), aligned(4)));
+typedef int32_t ivec __attribute__((vector_size(kLanes * 4), aligned(4)));
 
-inline f32x16 load16(const float* p) { f32x16 v; std::memcpy(&v, p, sizeof v); return v; }
-inline void store16(float* p, f32x16 v) { std::memcpy(p, &v, sizeof v); }
-inline f32x16 splat(float x) { return f32x16{} + x; }
+// Unaligned loads and stores through a may_alias type: one vmovups (a memcpy into a local vector
+// can go through a stack copy in 16-byte pieces).
+typedef float fvec_mem __attribute__((vector_size(kLanes * 4), aligned(4), may_alias));
+inline fvec vload(const float* p) { return *reinterpret_cast<const fvec_mem*>(p); }
+inline void vstore(float* p, fvec v) { *reinterpret_cast<fvec_mem*>(p) = v; }
+inline fvec splat(float x) { return fvec{} + x; }
+inline fvec broadcast(float x) {  // x in every lane (splat's add turns -0 into +0)
+#if defined(__AVX512F__)
+  return _mm512_set1_ps(x);
+#elif defined(__AVX__)
+  return _mm256_set1_ps(x);
+#else
+  fvec v;
+  for (int l = 0; l < kLanes; ++l) v[l] = x;
+  return v;
+#endif
+}
+
+// a * b + c rounded once, always one FMA instruction: -ffp-contract=fast leaves the contraction to
+// the compiler's tuning (GCC's znver tunings split loop-carried FMA chains of up to 256 bits into
+// a multiply and an add), and the GEMMs' chains must be FMAs for their bits to match target_dot.
+inline fvec vfma(fvec a, fvec b, fvec c) {
+#if defined(__AVX512F__)
+  return _mm512_fmadd_ps(a, b, c);
+#elif defined(__FMA__)
+  return _mm256_fmadd_ps(a, b, c);
+#else  // no FMA instruction: a correctly rounded fma per lane
+  for (int l = 0; l < kLanes; ++l) c[l] = __builtin_fmaf(a[l], b[l], c[l]);
+  return c;
+#endif
+}
 
 // exp(x) in fp32 for a vector, about 2 ulp: x = n ln2 + r, |r| <= ln2/2, a degree-6 polynomial in
 // r, then a scale by 2^n built in the exponent bits. Below -87 (and for -inf) it returns 0.
-inline f32x16 vexp(f32x16 x) {
-  const f32x16 lo = splat(-87.0f), hi = splat(88.0f);
-  const f32x16 xc = x < lo ? lo : (x > hi ? hi : x);
-  const f32x16 n = __builtin_convertvector(__builtin_convertvector(xc * 1.44269504088896341f + (xc < 0 ? -0.5f : 0.5f), i32x16), f32x16);
-  const f32x16 r = (xc - n * 0.693359375f) - n * -2.12194440e-4f;
-  f32x16 p = splat(1.9875691500e-4f);
+inline fvec vexp(fvec x) {
+  const fvec lo = splat(-87.0f), hi = splat(88.0f);
+  const fvec xc = x < lo ? lo : (x > hi ? hi : x);
+  const fvec n = __builtin_convertvector(__builtin_convertvector(xc * 1.44269504088896341f + (xc < 0 ? -0.5f : 0.5f), ivec), fvec);
+  const fvec r = (xc - n * 0.693359375f) - n * -2.12194440e-4f;
+  fvec p = splat(1.9875691500e-4f);
   p = p * r + 1.3981999507e-3f;
   p = p * r + 8.3334519073e-3f;
   p = p * r + 4.1665795894e-2f;
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   p = p * (r * r) + r + 1.0f;
-  const i32x16 bits = (__builtin_convertvector(n, i32x16) + 127) << 23;
-  f32x16 scale;
+  const ivec bits = (__builtin_convertvector(n, ivec) + 127) << 23;
+  fvec scale;
   std::memcpy(&scale, &bits, sizeof scale);
-  const f32x16 y = p * scale;
+  const fvec y = p * scale;
   return x < lo ? splat(0.f) : y;
 }
 
 // log(x) in fp32 for a vector of normal x > 0, a few ulp: x = 2^k y with y in [sqrt(1/2), sqrt(2)),
 // log y = 2 atanh(u) = 2 (u + u^3/3 + ... + u^9/9) with u = (y - 1) / (y + 1), |u| <= 0.172.
-inline f32x16 vlog(f32x16 x) {
-  i32x16 bits;
+inline fvec vlog(fvec x) {
+  ivec bits;
   std::memcpy(&bits, &x, sizeof bits);
-  i32x16 k = ((bits >> 23) & 0xff) - 127;
-  i32x16 ybits = (bits & 0x007fffff) | 0x3f800000;  // y in [1, 2)
-  f32x16 y;
+  ivec k = ((bits >> 23) & 0xff) - 127;
+  ivec ybits = (bits & 0x007fffff) | 0x3f800000;  // y in [1, 2)
+  fvec y;
   std::memcpy(&y, &ybits, sizeof y);
-  const i32x16 big = y > 1.41421356f;
+  const ivec big = y > 1.41421356f;
   y = big ? y * 0.5f : y;
   k = big ? k + 1 : k;
-  const f32x16 u = (y - 1.f) / (y + 1.f), u2 = u * u;
-  f32x16 s = splat(1.f / 9.f);
+  const fvec u = (y - 1.f) / (y + 1.f), u2 = u * u;
+  fvec s = splat(1.f / 9.f);
   s = s * u2 + 1.f / 7.f;
   s = s * u2 + 1.f / 5.f;
   s = s * u2 + 1.f / 3.f;
   s = s * u2 + 1.f;
-  return 2.f * u * s + __builtin_convertvector(k, f32x16) * 0.693147180559945f;
+  return 2.f * u * s + __builtin_convertvector(k, fvec) * 0.693147180559945f;
 }
 
-inline f32x16 vmax(f32x16 a, f32x16 b) { return a > b ? a : b; }
+inline fvec vmax(fvec a, fvec b) { return a > b ? a : b; }
 
 // ---- dtype conversion ------------------------------------------------------------------------
 inline float bf16_to_f32(uint16_t b) {
