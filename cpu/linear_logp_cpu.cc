@@ -162,7 +162,9 @@ inline __attribute__((always_inline)) void outer_block(const Outer& o, bool zero
       // b in a register: GCC would otherwise fold the load into each of the M FMAs that use it,
       // M loads a vector instead of one, and the loads, not the FMAs, would set the pace.
       fvec x = vload(o.b + s * o.bs + v * kLanes);
+#if defined(__x86_64__)
       __asm__("" : "+v"(x));
+#endif
       b[v] = x;
     }
 #pragma GCC unroll 16

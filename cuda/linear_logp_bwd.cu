@@ -195,7 +195,7 @@ __global__ void __launch_bounds__(kRowThreads) dlogit_kernel(DlogitParams q) {
     const int64_t rest = live_cols - c0;
     const int nlive = rest >= kVec ? kVec : rest > 0 ? int(rest) : 0;
     const int kt = t - q.col0 >= c0 && t - q.col0 < c0 + kVec ? int(t - q.col0 - c0) : -1;
-    bool in_k[kVec];  // the nucleus's columns (all, without one)
+    bool in_k[kVec];  // the nucleus's columns (all, without one; pk is then p)
 #pragma unroll
     for (int k = 0; k < kVec; ++k) in_k[k] = !keep || (k < nlive && keep[c0 + k] != 0);
     if (head) {  // q = 0: p = 0 (a -inf logit, or below fp16); z - m only for the entropy term
@@ -207,9 +207,8 @@ __global__ void __launch_bounds__(kRowThreads) dlogit_kernel(DlogitParams q) {
         const bool live = k < nlive && x[k] != 0.f;
         const float pr = live ? x[k] * gs[k].w : 0.f;
         const float zm = live && e != 0.f ? __logf(x[k]) + gs[k].d : 0.f;
-        const float dz = !keep ? dz_of(zm, pr, k == kt, log_s, ent, g, e)
-                               : dz_of(zm, pr, live && in_k[k] ? x[k] * gs[k].wk : 0.f, in_k[k] && k == kt, log_s, ent, g, e);
-        x[k] = (k < nlive ? dz : 0.f) * it;
+        const float pk = !kKeep ? pr : live && in_k[k] ? x[k] * gs[k].wk : 0.f;
+        x[k] = (k < nlive ? dz_of(zm, pr, pk, in_k[k] && k == kt, log_s, ent, g, e) : 0.f) * it;
       }
       store_cols(dr, c0, q, x);
       continue;
@@ -221,10 +220,8 @@ __global__ void __launch_bounds__(kRowThreads) dlogit_kernel(DlogitParams q) {
       // -inf: probability 0 (a logit masked by the bias); NaN stays live
       const bool live = k < nlive && !(z == -INFINITY);
       const float zm = live ? z - m : 0.f, pr = live ? __expf(zm - log_s) : 0.f;
-      const float dz = k >= nlive ? 0.f
-                       : !keep    ? dz_of(zm, pr, k == kt, log_s, ent, g, e)
-                                  : dz_of(zm, pr, live && in_k[k] ? __expf(zm - log_s_keep) : 0.f, in_k[k] && k == kt,
-                                          log_s, ent, g, e);
+      const float pk = !kKeep ? pr : live && in_k[k] ? __expf(zm - log_s_keep) : 0.f;
+      const float dz = k < nlive ? dz_of(zm, pr, pk, in_k[k] && k == kt, log_s, ent, g, e) : 0.f;
       if (live) dzz = fmaf(dz, z, dzz);
       x[k] = dz * it;
     }
@@ -331,7 +328,7 @@ Status backward_fast(const Problem& p, const BwdArgs& a, Workspace ws, cudaStrea
 // dW[piece] (+)= dlogit^T H[pass]. The tile is "fused" (the sm90 kernel, Epi::kDlogit: wherever
 // forward_backend picks it) or made by the "gemm" path (cuBLAS z in fp32, then dlogit_kernel).
 // The workspace, the pieces and the dH row sweeps are planned on the host (lean_plan.h).
-bool lean_fused(const Problem& p) { return forward_backend(p) == Backend::kCudaSm90; }
+bool lean_fused(const Problem& p, bool nucleus = false) { return forward_backend(p, nucleus) == Backend::kCudaSm90; }
 
 #if RLK_HAVE_SM90
 // dtemp (+)= the row's sum over this piece's splits, in split order; the last piece makes it dT.
@@ -496,10 +493,9 @@ Status lean_sweep(const Problem& p, const BwdArgs& a, const LeanLayout& first, c
 
 template <typename T>
 Status backward_lean(const Problem& p, const BwdArgs& a, Workspace ws, cudaStream_t st) {
-  // TMA cannot take misaligned operands, nor the sm90 epilogue a nucleus: the gemm path then (the
-  // workspace holds either layout)
+  // TMA cannot take misaligned operands: the gemm path then (the workspace holds either layout)
   const bool tma_ok = ((reinterpret_cast<uintptr_t>(a.hidden) | reinterpret_cast<uintptr_t>(a.weight)) & 15) == 0;
-  const LeanLayout L = lean_layout(p, lean_fused(p) && tma_ok && !a.keep, a.dhidden_dtype);
+  const LeanLayout L = lean_layout(p, lean_fused(p, a.keep != nullptr) && tma_ok, a.dhidden_dtype);
   if (L.total > ws.bytes) return "rlk cuda: lean backward workspace too small";
   if (a.dhidden_dtype != DType::kF32 && finish_rows(p, L) < 1)  // before anything is written
     return "rlk cuda: h too large for the lean backward's tile (at most 32768)";

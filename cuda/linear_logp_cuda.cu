@@ -266,8 +266,7 @@ Status forward_portable_partials(const Problem& p, const T* hidden, int64_t rows
 
 template <typename T>
 Status forward_t(const Problem& p, const FwdArgs& a, Workspace ws, cudaStream_t st, Backend* ran) {
-  // the sm90 epilogue takes no nucleus
-  Backend be = a.keep ? Backend::kCudaPortable : forward_backend(p);
+  Backend be = forward_backend(p, a.keep != nullptr);
   if (ran) *ran = be;
   const T* H = cptr<T>(a.hidden);
   const T* W = cptr<T>(a.weight);
@@ -335,13 +334,14 @@ bool detail::sm90_enabled() {
   return v == 1;
 }
 
-Backend forward_backend(const Problem& p) {
+Backend forward_backend(const Problem& p, bool nucleus) {
 #if RLK_HAVE_SM90
-  if (sm90_enabled() && device_cc() == 90 && (p.dtype == DType::kBF16 || p.dtype == DType::kF16) && p.h > 0 &&
+  if (!nucleus && sm90_enabled() && device_cc() == 90 && (p.dtype == DType::kBF16 || p.dtype == DType::kF16) && p.h > 0 &&
       p.h % kSm90HMultiple == 0)
     return Backend::kCudaSm90;
 #else
   (void)p;
+  (void)nucleus;
 #endif
   return Backend::kCudaPortable;
 }
@@ -354,7 +354,7 @@ size_t forward_workspace_bytes(const Problem& p) {
 Status forward(const Problem& p, const FwdArgs& a, Workspace ws, cudaStream_t stream, Backend* ran) {
   if (Status s = check_shape(p)) return s;
   if (a.keep && !a.keep_sum) return "rlk cuda: a keep mask needs keep_sum";
-  if (ran) *ran = a.keep ? Backend::kCudaPortable : forward_backend(p);
+  if (ran) *ran = forward_backend(p, a.keep != nullptr);
   if (p.n == 0) return nullptr;
   if (ws.bytes < forward_workspace_bytes(p) || (forward_workspace_bytes(p) && !ws.ptr))
     return "rlk cuda: forward workspace too small";

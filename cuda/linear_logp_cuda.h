@@ -17,8 +17,9 @@ struct Workspace {
   size_t bytes = 0;
 };
 
-// Which forward kernel `forward` will run for this problem on the current device.
-Backend forward_backend(const Problem& p);
+// Which forward kernel `forward` will run for this problem on the current device; `nucleus`: with
+// FwdArgs::keep (the portable kernel: the sm90 epilogue takes no nucleus).
+Backend forward_backend(const Problem& p, bool nucleus = false);
 
 size_t forward_workspace_bytes(const Problem& p);
 

@@ -218,12 +218,9 @@ RLK_HD RowResult combine_row(const float* stats, int64_t k, float target_logit, 
 }
 
 // dz for one logit of row i (not padding), given zm = z - m, p = exp(zm - log_s) (from whichever
-// exp the caller affords), the row's log_s, entropy and upstream grads.
-RLK_HD float dz_of(float zm, float p, bool is_target, float log_s, float ent, float g, float e) {
-  return g * ((is_target ? 1.f : 0.f) - p) + e * p * ((log_s - ent) - zm);
-}
-// The same under a nucleus: pk = exp(zm - log_s_keep) for a kept id, else 0, and is_target only
-// for a kept target; the entropy term keeps the whole distribution's p.
+// exp the caller affords), the row's log_s, entropy and upstream grads. Under a nucleus, pk =
+// exp(zm - log_s_keep) for a kept id, else 0, and is_target only for a kept target; the entropy
+// term keeps the whole distribution's p. Without one, pk = p.
 RLK_HD float dz_of(float zm, float p, float pk, bool is_target, float log_s, float ent, float g, float e) {
   return g * ((is_target ? 1.f : 0.f) - pk) + e * p * ((log_s - ent) - zm);
 }
