@@ -42,25 +42,24 @@ constexpr int kRowVecs = kBlock / kLanes;
 // accumulators, NV operand vectors and one broadcast in registers.
 #if defined(__AVX512F__)
 // 32 zmm registers: 16 accumulators.
-constexpr int64_t kGroupV = 8;  // logits: vocab rows per block (also the bf16 pair kernel's)
+constexpr int64_t kGroupV = 8;  // logits: vocab rows per block
 constexpr int kLogitVecs = 2;   //   by vectors of hidden rows
-constexpr int kDhRows = 8;      // dH: hidden rows per block
-constexpr int kDhVecs = 2;      //   by vectors of k
-constexpr int kDwK = 4;         // dW: k per block
+constexpr int kGradRows = 8;    // dH, and dW under dp_bf16: rows of c (hidden or vocab rows) per block
+constexpr int kGradVecs = 2;    //   by vectors of k
+constexpr int kDwK = 4;         // dW in fp32: k per block
 constexpr int kDwVecs = 4;      //   by vectors of vocab rows
-constexpr int kPairRows = 8;    // dH and dW under dp_bf16: rows of c (hidden or vocab) per block
-constexpr int kPairVecs = 2;    //   by vectors of k
 #else
 // 16 ymm registers: 12 accumulators, 2 operand vectors and the broadcast; 12 independent FMA chains
 // cover the FMA latency at two FMAs a cycle.
 constexpr int64_t kGroupV = 6;
 constexpr int kLogitVecs = 2;
-constexpr int kDhRows = 6;
-constexpr int kDhVecs = 2;
+constexpr int kGradRows = 6;
+constexpr int kGradVecs = 2;
 constexpr int kDwK = 6;
 constexpr int kDwVecs = 2;
 #endif
 static_assert(kPanel % (kLogitVecs * kLanes) == 0 && kTileV % (kDwVecs * kLanes) == 0);
+constexpr int64_t kDwBlocks = 4;  // row blocks per dW GEMM under dp_bf16: 128 steps per accumulator load
 
 inline int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
@@ -215,6 +214,24 @@ void outer_grid(const Outer<E>& o, int64_t m, int64_t nv, bool zero_c) {
     if (v < nv) outer_grid<M, NV - 1, E>(o.cols_from(v * kLanes), m, nv - v, zero_c);
 }
 
+// Columns [x0, x1) of c, each element the same FMA chain as outer_block's: the columns past the
+// last whole vector.
+void outer_tail(const Outer<float>& o, int64_t m, int64_t x0, int64_t x1, bool zero_c) {
+  for (int64_t i = 0; i < m; ++i)
+    for (int64_t x = x0; x < x1; ++x) {
+      float acc = zero_c ? 0.f : o.c[i * o.ci + x];
+      for (int64_t s = 0; s < o.steps; ++s) acc = std::fma(o.a[s * o.as + i * o.ai], o.b[s * o.bs + x], acc);
+      o.c[i * o.ci + x] = acc;
+    }
+}
+
+// Rows [0, m) by `cols` columns of c in fp32: whole vectors by outer_grid, the rest by outer_tail.
+template <int M, int NV>
+void outer_f32(const Outer<float>& o, int64_t m, int64_t cols, bool zero_c) {
+  outer_grid<M, NV>(o, m, cols / kLanes, zero_c);
+  outer_tail(o, m, cols - cols % kLanes, cols, zero_c);
+}
+
 // T[j][r] = sum_k wf[j][k] ap[k][r] for j < kTileV, r < kPanel. One accumulator chain per
 // element, k in order: every logit of the library is computed by this function (or, dp_bf16, by
 // the pair version below).
@@ -335,15 +352,15 @@ void dlogit_vocab_pairs(const float* t, uint32_t* dv) {
     }
 }
 
-// dlogit tile T[j][r] -> dW's pairs of rows, dr[j][r/2] = (T[j][2q], T[j][2q + 1]): the bf16 of a
-// vocab row's 32 rows in order are 16 such pairs.
-void dlogit_row_pairs(const float* t, uint32_t* dr) {
+// dlogit tile T[j][r] -> dW's pairs of rows, dr[j][r/2] = (T[j][2q], T[j][2q + 1]) with row
+// stride ldr: the bf16 of a vocab row's 32 rows in order are 16 such pairs.
+void dlogit_row_pairs(const float* t, uint32_t* dr, int64_t ldr) {
   static_assert(kRowVecs % 2 == 0);
   for (int64_t j = 0; j < kTileV; ++j)
     for (int rv = 0; rv < kRowVecs; rv += 2) {
       const float* x = t + j * kBlock + rv * kLanes;
       const __m512i pairs = _mm512_inserti64x4(_mm512_castsi256_si512(round_bf16(vload(x))), round_bf16(vload(x + kLanes)), 1);
-      _mm512_storeu_si512(dr + j * kBlock / 2 + rv * kLanes / 2, pairs);
+      _mm512_storeu_si512(dr + j * ldr + rv * kLanes / 2, pairs);
     }
 }
 #endif
@@ -715,29 +732,25 @@ struct BwdScratch {
   std::vector<uint32_t> wj, dl;  // dp_bf16: the weight tile's pairs (pass 1), the dlogit tile's pairs
 };
 
-// dh[r][k] += sum_j dlogit[j][r] w[j][k], j in order, from the dlogit tile s.t and the weight tile.
-void dh_tile(const Problem& p, int64_t valid, BwdScratch& s) {
+// dh[r][k] += sum_j dlogit[j][r] w[j][k], j in order, from the dlogit tile s.t and the weight tile
+// (s.w.wf, or dp_bf16 its pairs s.wj). Not inlined (nor dw_tile): inside the units' loops GCC ran
+// out of general registers and kept outer_block's b pointer in a vector register, on the loads'
+// critical path.
+__attribute__((noinline)) void dh_tile(const Problem& p, int64_t valid, BwdScratch& s) {
 #if defined(__AVX512BF16__)
   if (dp_bf16(p)) {
     const int64_t hp = padded_h(p);
     dlogit_vocab_pairs(s.t.data(), s.dl.data());
-    for (int64_t r = 0; r < kBlock; r += kPairRows)
-      outer_grid<kPairRows, kPairVecs>(
+    for (int64_t r = 0; r < kBlock; r += kGradRows)
+      outer_grid<kGradRows, kGradVecs>(
           Outer<uint32_t>{s.dl.data() + r, kBlock, 1, s.wj.data(), hp, cdiv(valid, 2), s.dh.data() + r * hp, hp},
-          kPairRows, hp / kLanes, false);
+          kGradRows, hp / kLanes, false);
     return;
   }
 #endif
-  // kDhRows rows at a time over all k
-  for (int64_t r = 0; r < kBlock; r += kDhRows)
-    outer_grid<kDhRows, kDhVecs>(Outer<float>{s.t.data() + r, kBlock, 1, s.w.wf.data(), p.h, valid, s.dh.data() + r * p.h, p.h},
-                                 std::min<int64_t>(kDhRows, kBlock - r), p.h / kLanes, false);
-  for (int64_t k = p.h - p.h % kLanes; k < p.h; ++k)  // h tail, same order per element
-    for (int64_t r = 0; r < kBlock; ++r) {
-      float acc = s.dh[r * p.h + k];
-      for (int64_t j = 0; j < valid; ++j) acc = std::fma(s.t[j * kBlock + r], s.w.wf[j * p.h + k], acc);
-      s.dh[r * p.h + k] = acc;
-    }
+  for (int64_t r = 0; r < kBlock; r += kGradRows)  // kGradRows rows at a time over all k
+    outer_f32<kGradRows, kGradVecs>(Outer<float>{s.t.data() + r, kBlock, 1, s.w.wf.data(), p.h, valid, s.dh.data() + r * p.h, p.h},
+                                    std::min<int64_t>(kGradRows, kBlock - r), p.h, false);
 }
 
 // Pass 1: dH and dT of one row block, over the whole local vocab in order.
@@ -776,25 +789,26 @@ void dhidden_unit(const Problem& p, const BwdArgs& a, const Panels& ap, int64_t 
   }
 }
 
-// The tile's dW (+)= dlogit^T H of row block blk, rows in order, from the dlogit tile s.t.
-void dw_tile(const Problem& p, const Panels& ap, int64_t blk, BwdScratch& s) {
+// The tile's dW (+)= dlogit^T H of row block blk (of `blocks`), rows in order, from the dlogit
+// tile s.t. Under dp_bf16 the dlogit pairs of kDwBlocks row blocks go through one GEMM.
+__attribute__((noinline)) void dw_tile(const Problem& p, const Panels& ap, int64_t blk, int64_t blocks, BwdScratch& s) {
 #if defined(__AVX512BF16__)
   if (dp_bf16(p)) {  // dw[j][k] += sum over row pairs q of dl[j][q] . hr[q][k]
-    const int64_t hp = padded_h(p);
-    dlogit_row_pairs(s.t.data(), s.dl.data());
-    outer_grid<kPairRows, kPairVecs>(Outer<uint32_t>{s.dl.data(), 1, kBlock / 2, ap.row_pairs.data() + blk * kBlock / 2 * hp,
-                                                     hp, kBlock / 2, s.dw.data(), hp},
+    const int64_t hp = padded_h(p), g = blk % kDwBlocks, ldl = kDwBlocks * kBlock / 2;
+    dlogit_row_pairs(s.t.data(), s.dl.data() + g * kBlock / 2, ldl);
+    if (g + 1 < kDwBlocks && blk + 1 < blocks) return;
+    outer_grid<kGradRows, kGradVecs>(Outer<uint32_t>{s.dl.data(), 1, ldl, ap.row_pairs.data() + (blk - g) * kBlock / 2 * hp,
+                                                     hp, (g + 1) * kBlock / 2, s.dw.data(), hp},
                                      kTileV, hp / kLanes, false);
     return;
   }
 #endif
-  std::vector<float>& dt = s.dt;  // dlogit transposed: dt[r][j]
+  // dw[k][j] += sum_r ap[k][r] dt[r][j], r in order, dt the dlogit tile transposed
   for (int64_t j = 0; j < kTileV; ++j)
-    for (int64_t r = 0; r < kBlock; ++r) dt[r * kTileV + j] = s.t[j * kBlock + r];
-  // dw[k][j] += sum_r ap[k][r] dt[r][j], r in order.
+    for (int64_t r = 0; r < kBlock; ++r) s.dt[r * kTileV + j] = s.t[j * kBlock + r];
   for (int64_t pq = 0; pq < 2; ++pq)
     outer_grid<kDwK, kDwVecs>(Outer<float>{ap.f32.data() + (2 * blk + pq) * kPanel * p.h, 1, kPanel,
-                                           dt.data() + pq * kPanel * kTileV, kTileV, kPanel, s.dw.data(), kTileV},
+                                           s.dt.data() + pq * kPanel * kTileV, kTileV, kPanel, s.dw.data(), kTileV},
                               p.h, kTileV / kLanes, false);
 }
 
@@ -813,15 +827,16 @@ void dweight_unit(const Problem& p, const BwdArgs& a, const Panels& ap, int64_t 
     if (!a.logits) load_logits_weight(p, a.weight, v0, v0 + valid, s.w);
     RowBlock rb;
     TileKind kind;
-    for (int64_t blk = 0; blk < cdiv(p.n, kBlock); ++blk) {
+    const int64_t blocks = cdiv(p.n, kBlock);
+    for (int64_t blk = 0; blk < blocks; ++blk) {
       load_row_block(p, a, blk, rb);
       z_tile(p, a, ap, blk, v0, valid, tile, rb, s.w, s.t.data(), kind);
       if (a.keep) keep_tile(p, a.keep, blk * kBlock, v0, valid, s.kt.data());
       dlogit_tile(s.t.data(), p.vocab_start + v0, valid, rb, kind, p.with_entropy, a.keep ? s.kt.data() : nullptr,
                   nullptr);
-      for (int64_t j = 0; j < kTileV; ++j)
-        for (int64_t r = 0; r < kBlock; ++r) db[j] += s.t[j * kBlock + r];
-      dw_tile(p, ap, blk, s);
+      for (int64_t r = 0; r < kBlock; ++r)  // r outer: kTileV independent sums, each in row order
+        for (int64_t j = 0; j < kTileV; ++j) db[j] += s.t[j * kBlock + r];
+      dw_tile(p, ap, blk, blocks, s);
     }
   }
   for (int64_t j = 0; j < rows; ++j) {
@@ -892,7 +907,7 @@ Status backward(const Problem& p, const BwdArgs& a) {
       s.w = weight_tile(p);
       s.t.resize(size_t(kTileV * kBlock));
       if (a.keep) s.kt.resize(size_t(kTileV * kBlock));
-      if (dp_bf16(p)) s.dl.resize(size_t(kTileV * kBlock / 2));
+      if (dp_bf16(p)) s.dl.resize(size_t(kTileV * kBlock / 2 * (pass1 ? 1 : kDwBlocks)));
       if (pass1) {
         s.dh.resize(size_t(kBlock * dh_stride(p)));
         if (dp_bf16(p)) s.wj.resize(size_t(kTileV / 2 * padded_h(p)));
