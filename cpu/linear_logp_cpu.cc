@@ -10,6 +10,9 @@
 // the fp32 FMA rate, so the panels hold pairs of k (`Ap2[k/2][r]`) and the weight tile keeps its
 // bf16 rows. The logits' order is then fixed per pair of k; every logit (tiles and target) of
 // such a call comes from the same instruction sequence.
+// Its backward's GEMMs take the same instruction: dlogit is rounded to bf16 once (as the CUDA
+// backends round it to the operand dtype) and the pairs run along each GEMM's reduction, two vocab
+// rows for dH = dlogit W, two hidden rows for dW = dlogit^T H; db and dT keep the fp32 dlogit.
 //
 // Order of every reduction is fixed by shapes alone:
 //   forward   unit = (row block, chunk); tiles of the chunk from its first column, in order.
