@@ -10,6 +10,9 @@
 // the fp32 FMA rate, so the panels hold pairs of k (`Ap2[k/2][r]`) and the weight tile keeps its
 // bf16 rows. The logits' order is then fixed per pair of k; every logit (tiles and target) of
 // such a call comes from the same instruction sequence.
+// Its backward's GEMMs take the same instruction: dlogit is rounded to bf16 once (as the CUDA
+// backends round it to the operand dtype) and the pairs run along each GEMM's reduction, two vocab
+// rows for dH = dlogit W, two hidden rows for dW = dlogit^T H; db and dT keep the fp32 dlogit.
 //
 // Order of every reduction is fixed by shapes alone:
 //   forward   unit = (row block, chunk); tiles of the chunk from its first column, in order.
@@ -42,23 +45,24 @@ constexpr int kRowVecs = kBlock / kLanes;
 // accumulators, NV operand vectors and one broadcast in registers.
 #if defined(__AVX512F__)
 // 32 zmm registers: 16 accumulators.
-constexpr int64_t kGroupV = 8;  // logits: vocab rows per block (also the bf16 pair kernel's)
+constexpr int64_t kGroupV = 8;  // logits: vocab rows per block
 constexpr int kLogitVecs = 2;   //   by vectors of hidden rows
-constexpr int kDhRows = 8;      // dH: hidden rows per block
-constexpr int kDhVecs = 2;      //   by vectors of k
-constexpr int kDwK = 4;         // dW: k per block
+constexpr int kGradRows = 8;    // dH, and dW under dp_bf16: rows of c (hidden or vocab rows) per block
+constexpr int kGradVecs = 2;    //   by vectors of k
+constexpr int kDwK = 4;         // dW in fp32: k per block
 constexpr int kDwVecs = 4;      //   by vectors of vocab rows
 #else
 // 16 ymm registers: 12 accumulators, 2 operand vectors and the broadcast; 12 independent FMA chains
 // cover the FMA latency at two FMAs a cycle.
 constexpr int64_t kGroupV = 6;
 constexpr int kLogitVecs = 2;
-constexpr int kDhRows = 6;
-constexpr int kDhVecs = 2;
+constexpr int kGradRows = 6;
+constexpr int kGradVecs = 2;
 constexpr int kDwK = 6;
 constexpr int kDwVecs = 2;
 #endif
 static_assert(kPanel % (kLogitVecs * kLanes) == 0 && kTileV % (kDwVecs * kLanes) == 0);
+constexpr int64_t kDwBlocks = 4;  // row blocks per dW GEMM under dp_bf16: 128 steps per accumulator load
 
 inline int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
@@ -104,11 +108,12 @@ std::vector<uint32_t> pack_hidden_pairs(const Problem& p, const void* hidden) {
   return ap;
 }
 
-// The hidden panels a call's GEMMs read: fp32 (the backward's, and the logits' unless dp_bf16)
-// and bf16 pairs (the logits' when dp_bf16).
+// The hidden panels a call's GEMMs read: fp32 (the logits' and dW's unless dp_bf16) and bf16 pairs
+// (the logits' when dp_bf16).
 struct Panels {
   std::vector<float> f32;
   std::vector<uint32_t> pairs;
+  std::vector<uint32_t> row_pairs;  // the backward's dW operand when dp_bf16 (pack_hidden_row_pairs)
 };
 
 // Weight rows [v0, v0 + kTileV) -> wf[kTileV][h] fp32; rows at or past `v_end` are zero.
@@ -134,11 +139,13 @@ struct WeightTile {
 };
 
 // The GEMMs' operands: c[i][x] (+)= sum_{s < steps} a[s as + i ai] b[s bs + x] for rows i and
-// columns x of c (row i at c + i ci, columns contiguous).
+// columns x of c (row i at c + i ci, columns contiguous). E = float: one FMA a step; E = uint32_t
+// (dp_bf16): a and b hold bf16 pairs and a step is one vdpbf16ps, both products of the pair.
+template <class E>
 struct Outer {
-  const float* a;
+  const E* a;
   int64_t as, ai;
-  const float* b;
+  const E* b;
   int64_t bs, steps;
   float* c;
   int64_t ci;
@@ -146,10 +153,21 @@ struct Outer {
   Outer cols_from(int64_t x) const { return {a, as, ai, b + x, bs, steps, c + x, ci}; }
 };
 
-// Rows i < M by NV vectors of columns, accumulators in registers: each element is one FMA chain
-// over s in increasing order, from 0 (zero_c) or from c's value.
-template <int M, int NV>
-inline __attribute__((always_inline)) void outer_block(const Outer& o, bool zero_c) {
+// One step of an accumulator chain: acc + a b.
+inline fvec mac(fvec a, fvec b, fvec acc, float) { return vfma(a, b, acc); }
+inline fvec bcast(float x) { return broadcast(x); }
+inline fvec load_operand(const float* p) { return vload(p); }
+#if defined(__AVX512BF16__)
+inline __m512bh bf16_pairs(fvec x) { return reinterpret_cast<__m512bh&>(x); }
+inline fvec mac(fvec a, fvec b, fvec acc, uint32_t) { return _mm512_dpbf16_ps(acc, bf16_pairs(a), bf16_pairs(b)); }
+inline fvec bcast(uint32_t x) { return _mm512_castsi512_ps(_mm512_set1_epi32(int32_t(x))); }
+inline fvec load_operand(const uint32_t* p) { return vload(reinterpret_cast<const float*>(p)); }
+#endif
+
+// Rows i < M by NV vectors of columns, accumulators in registers: each element is one chain over
+// s in increasing order, from 0 (zero_c) or from c's value.
+template <int M, int NV, class E>
+inline __attribute__((always_inline)) void outer_block(const Outer<E>& o, bool zero_c) {
   fvec acc[M][NV];
 #pragma GCC unroll 16
   for (int i = 0; i < M; ++i)
@@ -161,7 +179,7 @@ inline __attribute__((always_inline)) void outer_block(const Outer& o, bool zero
     for (int v = 0; v < NV; ++v) {
       // b in a register: GCC would otherwise fold the load into each of the M FMAs that use it,
       // M loads a vector instead of one, and the loads, not the FMAs, would set the pace.
-      fvec x = vload(o.b + s * o.bs + v * kLanes);
+      fvec x = load_operand(o.b + s * o.bs + v * kLanes);
 #if defined(__x86_64__)
       __asm__("" : "+v"(x));
 #endif
@@ -169,9 +187,9 @@ inline __attribute__((always_inline)) void outer_block(const Outer& o, bool zero
     }
 #pragma GCC unroll 16
     for (int i = 0; i < M; ++i) {
-      const fvec x = broadcast(o.a[s * o.as + i * o.ai]);
+      const fvec x = bcast(o.a[s * o.as + i * o.ai]);
 #pragma GCC unroll 16
-      for (int v = 0; v < NV; ++v) acc[i][v] = vfma(x, b[v], acc[i][v]);
+      for (int v = 0; v < NV; ++v) acc[i][v] = mac(x, b[v], acc[i][v], E{});
     }
   }
 #pragma GCC unroll 16
@@ -181,76 +199,71 @@ inline __attribute__((always_inline)) void outer_block(const Outer& o, bool zero
 }
 
 // Rows [0, m) in blocks of M (the last m % M rows by smaller blocks), NV vectors of columns.
-template <int M, int NV>
-void outer_rows(const Outer& o, int64_t m, bool zero_c) {
+template <int M, int NV, class E>
+void outer_rows(const Outer<E>& o, int64_t m, bool zero_c) {
   int64_t i = 0;
-  for (; i + M <= m; i += M) outer_block<M, NV>(o.rows_from(i), zero_c);
+  for (; i + M <= m; i += M) outer_block<M, NV, E>(o.rows_from(i), zero_c);
   if constexpr (M > 1)
-    if (i < m) outer_rows<M - 1, NV>(o.rows_from(i), m - i, zero_c);
+    if (i < m) outer_rows<M - 1, NV, E>(o.rows_from(i), m - i, zero_c);
 }
 
 // Rows [0, m) by nv vectors of columns: blocks of NV vectors (the rest by smaller blocks), each
 // over all rows.
-template <int M, int NV>
-void outer_grid(const Outer& o, int64_t m, int64_t nv, bool zero_c) {
+template <int M, int NV, class E>
+void outer_grid(const Outer<E>& o, int64_t m, int64_t nv, bool zero_c) {
   int64_t v = 0;
-  for (; v + NV <= nv; v += NV) outer_rows<M, NV>(o.cols_from(v * kLanes), m, zero_c);
+  for (; v + NV <= nv; v += NV) outer_rows<M, NV, E>(o.cols_from(v * kLanes), m, zero_c);
   if constexpr (NV > 1)
-    if (v < nv) outer_grid<M, NV - 1>(o.cols_from(v * kLanes), m, nv - v, zero_c);
+    if (v < nv) outer_grid<M, NV - 1, E>(o.cols_from(v * kLanes), m, nv - v, zero_c);
+}
+
+// Columns [x0, x1) of c, each element the same FMA chain as outer_block's: the columns past the
+// last whole vector.
+void outer_tail(const Outer<float>& o, int64_t m, int64_t x0, int64_t x1, bool zero_c) {
+  for (int64_t i = 0; i < m; ++i)
+    for (int64_t x = x0; x < x1; ++x) {
+      float acc = zero_c ? 0.f : o.c[i * o.ci + x];
+      for (int64_t s = 0; s < o.steps; ++s) acc = std::fma(o.a[s * o.as + i * o.ai], o.b[s * o.bs + x], acc);
+      o.c[i * o.ci + x] = acc;
+    }
+}
+
+// Rows [0, m) by `cols` columns of c in fp32: whole vectors by outer_grid, the rest by outer_tail.
+template <int M, int NV>
+void outer_f32(const Outer<float>& o, int64_t m, int64_t cols, bool zero_c) {
+  outer_grid<M, NV>(o, m, cols / kLanes, zero_c);
+  outer_tail(o, m, cols - cols % kLanes, cols, zero_c);
 }
 
 // T[j][r] = sum_k wf[j][k] ap[k][r] for j < kTileV, r < kPanel. One accumulator chain per
 // element, k in order: every logit of the library is computed by this function (or, dp_bf16, by
 // the pair version below).
 inline void logits_panel(const float* wf, const float* ap, int64_t h, float* t, int64_t ldt) {
-  outer_grid<kGroupV, kLogitVecs>({wf, 1, h, ap, kPanel, h, t, ldt}, kTileV, kPanel / kLanes, true);
+  outer_grid<kGroupV, kLogitVecs>(Outer<float>{wf, 1, h, ap, kPanel, h, t, ldt}, kTileV, kPanel / kLanes, true);
 }
 
 #if defined(__AVX512BF16__)
 // The same for bf16 pairs: T[j][r] = sum over pairs q of wb[j][q] . ap[q][r], one vdpbf16ps per
 // pair, q in order.
-inline __m512bh bf16_pairs(__m512i x) { return reinterpret_cast<__m512bh&>(x); }
-inline void logits_micro(const uint32_t* wb, const uint32_t* ap, int64_t hk, float* t, int64_t ldt) {
-  __m512 acc[kGroupV][2];
-  for (int64_t j = 0; j < kGroupV; ++j) acc[j][0] = acc[j][1] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < hk; ++k) {
-    const __m512bh b0 = bf16_pairs(_mm512_loadu_si512(ap + k * kPanel));
-    const __m512bh b1 = bf16_pairs(_mm512_loadu_si512(ap + k * kPanel + kLanes));
-    for (int64_t j = 0; j < kGroupV; ++j) {
-      const __m512bh w = bf16_pairs(_mm512_set1_epi32(int32_t(wb[j * hk + k])));
-      acc[j][0] = _mm512_dpbf16_ps(acc[j][0], w, b0);
-      acc[j][1] = _mm512_dpbf16_ps(acc[j][1], w, b1);
-    }
-  }
-  for (int64_t j = 0; j < kGroupV; ++j) {
-    _mm512_storeu_ps(t + j * ldt, acc[j][0]);
-    _mm512_storeu_ps(t + j * ldt + kLanes, acc[j][1]);
-  }
+inline void logits_panel(const uint32_t* wb, const uint32_t* ap, int64_t hk, float* t, int64_t ldt) {
+  outer_grid<kGroupV, kLogitVecs>(Outer<uint32_t>{wb, 1, hk, ap, kPanel, hk, t, ldt}, kTileV, kPanel / kLanes, true);
 }
 
-// One logit by the micro-kernel's sequence (a target's z_t): the pairs broadcast to every lane.
+// One logit by logits_panel's sequence (a target's z_t): the pairs broadcast to every lane.
 float dot_pairs(const uint16_t* x, const uint16_t* w, int64_t h) {
-  __m512 acc = _mm512_setzero_ps();
+  fvec acc = splat(0.f);
   for (int64_t q = 0; q < cdiv(h, 2); ++q)
-    acc = _mm512_dpbf16_ps(acc, bf16_pairs(_mm512_set1_epi32(int32_t(bf16_pair(w, q, h)))),
-                           bf16_pairs(_mm512_set1_epi32(int32_t(bf16_pair(x, q, h)))));
-  return _mm512_cvtss_f32(acc);
+    acc = mac(bcast(bf16_pair(w, q, h)), bcast(bf16_pair(x, q, h)), acc, uint32_t{});
+  return acc[0];
 }
 #endif
 
-// Logits tile T[kTileV][kBlock] for the row block starting at panel q0 (two panels).
-void logits_tile(const float* w, const float* ap, int64_t q0, int64_t h, float* t) {
-  for (int64_t pq = 0; pq < 2; ++pq) logits_panel(w, ap + (q0 + pq) * kPanel * h, h, t + pq * kPanel, kBlock);
+// Logits tile T[kTileV][kBlock] for the row block starting at panel q0 (two panels), `steps`: h
+// (fp32) or the pair steps (bf16 pairs).
+template <class E>
+void logits_tile(const E* w, const E* ap, int64_t q0, int64_t steps, float* t) {
+  for (int64_t pq = 0; pq < 2; ++pq) logits_panel(w, ap + (q0 + pq) * kPanel * steps, steps, t + pq * kPanel, kBlock);
 }
-
-#if defined(__AVX512BF16__)
-// The same from bf16 pairs (hk pair steps).
-void logits_tile(const uint32_t* w, const uint32_t* ap, int64_t q0, int64_t hk, float* t) {
-  for (int64_t pq = 0; pq < 2; ++pq)
-    for (int64_t j = 0; j < kTileV; j += kGroupV)
-      logits_micro(w + j * hk, ap + (q0 + pq) * kPanel * hk, hk, t + j * kBlock + pq * kPanel, kBlock);
-}
-#endif
 
 // The logits tile of row block blk from the weight tile w.
 void tile_logits(const Problem& p, const Panels& ap, const WeightTile& w, int64_t blk, float* t) {
@@ -272,6 +285,88 @@ WeightTile weight_tile(const Problem& p) {
   if (dp_bf16(p)) w.wb.resize(size_t(kTileV * pair_steps(p)));
   return w;
 }
+
+// h rounded up to whole vectors: the row length of the pair GEMMs' operands and outputs (dp_bf16).
+int64_t padded_h(const Problem& p) { return cdiv(p.h, kLanes) * kLanes; }
+// The row length of the backward's dH scratch.
+int64_t dh_stride(const Problem& p) { return dp_bf16(p) ? padded_h(p) : p.h; }
+
+#if defined(__AVX512BF16__)
+// ---- the gradient GEMMs in bf16 pairs (dp_bf16) ---------------------------------------------------
+// dH = dlogit W and dW = dlogit^T H take vdpbf16ps too: dlogit is rounded to bf16 once (round_bf16;
+// the CUDA backends also round it to the operand dtype before their GEMMs), the products are exact
+// and the sums fp32. A pair runs along the GEMM's reduction: two vocab rows for dH, two hidden rows
+// for dW. The operands' rows are padded with zeros to hp columns, whole vectors, so the kernels have
+// no column tail.
+
+// Rows x and y of h bf16 (null: zeros) -> dst[k] = (x[k], y[k]) for k < hp, zero past h.
+void pair_rows(const uint16_t* x, const uint16_t* y, int64_t h, int64_t hp, uint32_t* dst) {
+  int16_t lo[32], hi[32];  // vpermt2w indices: x[k] to even halves, y[k] (32 + k) to odd ones
+  for (int i = 0; i < 32; ++i) {
+    lo[i] = int16_t(i / 2 + (i % 2) * 32);
+    hi[i] = int16_t(lo[i] + 16);
+  }
+  const __m512i ilo = _mm512_loadu_si512(lo), ihi = _mm512_loadu_si512(hi);
+  int64_t k = 0;
+  if (x && y)
+    for (; k + 32 <= h; k += 32) {
+      const __m512i a = _mm512_loadu_si512(x + k), b = _mm512_loadu_si512(y + k);
+      _mm512_storeu_si512(dst + k, _mm512_permutex2var_epi16(a, ilo, b));
+      _mm512_storeu_si512(dst + k + 16, _mm512_permutex2var_epi16(a, ihi, b));
+    }
+  for (; k < hp; ++k) dst[k] = uint32_t(x && k < h ? x[k] : 0) | uint32_t(y && k < h ? y[k] : 0) << 16;
+}
+
+// bf16 hidden -> hr[n/2][hp], pairs of adjacent rows (dW's operand), over whole row blocks; rows
+// past n are zero.
+std::vector<uint32_t> pack_hidden_row_pairs(const Problem& p, const void* hidden) {
+  const int64_t blocks = cdiv(p.n, kBlock), hp = padded_h(p);
+  std::vector<uint32_t> hr(size_t(blocks * kBlock / 2 * hp));
+  const uint16_t* x = static_cast<const uint16_t*>(hidden);
+  auto row = [&](int64_t r) { return r < p.n ? x + r * p.h : nullptr; };
+  parallel_for(blocks, workers_for(blocks), [&](int, int64_t blk) {
+    for (int64_t q = blk * kBlock / 2; q < (blk + 1) * kBlock / 2; ++q)
+      pair_rows(row(2 * q), row(2 * q + 1), p.h, hp, hr.data() + q * hp);
+  });
+  return hr;
+}
+
+// Weight rows [v0, v0 + kTileV) -> wj[kTileV/2][hp], pairs of adjacent rows (dH's operand); rows
+// at or past v_end are zero.
+void load_weight_row_pairs(const Problem& p, const void* weight, int64_t v0, int64_t v_end, uint32_t* wj) {
+  const uint16_t* w = static_cast<const uint16_t*>(weight);
+  auto row = [&](int64_t j) { return v0 + j < v_end ? w + (v0 + j) * p.h : nullptr; };
+  for (int64_t q = 0; q < kTileV / 2; ++q) pair_rows(row(2 * q), row(2 * q + 1), p.h, padded_h(p), wj + q * padded_h(p));
+}
+
+// dlogit's one rounding: 16 fp32 -> 16 bf16, to nearest even.
+inline __m256i round_bf16(fvec x) {
+  const __m256bh b = _mm512_cvtneps_pbh(x);
+  return reinterpret_cast<const __m256i&>(b);
+}
+
+// dlogit tile T[j][r] -> dH's pairs of vocab rows, dv[j/2][r] = (T[2q][r], T[2q + 1][r]).
+void dlogit_vocab_pairs(const float* t, uint32_t* dv) {
+  for (int64_t q = 0; q < kTileV / 2; ++q)
+    for (int rv = 0; rv < kRowVecs; ++rv) {
+      const __m512i lo = _mm512_cvtepu16_epi32(round_bf16(vload(t + 2 * q * kBlock + rv * kLanes)));
+      const __m512i hi = _mm512_cvtepu16_epi32(round_bf16(vload(t + (2 * q + 1) * kBlock + rv * kLanes)));
+      _mm512_storeu_si512(dv + q * kBlock + rv * kLanes, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+    }
+}
+
+// dlogit tile T[j][r] -> dW's pairs of rows, dr[j][r/2] = (T[j][2q], T[j][2q + 1]) with row
+// stride ldr: the bf16 of a vocab row's 32 rows in order are 16 such pairs.
+void dlogit_row_pairs(const float* t, uint32_t* dr, int64_t ldr) {
+  static_assert(kRowVecs % 2 == 0);
+  for (int64_t j = 0; j < kTileV; ++j)
+    for (int rv = 0; rv < kRowVecs; rv += 2) {
+      const float* x = t + j * kBlock + rv * kLanes;
+      const __m512i pairs = _mm512_inserti64x4(_mm512_castsi256_si512(round_bf16(vload(x))), round_bf16(vload(x + kLanes)), 1);
+      _mm512_storeu_si512(dr + j * ldr + rv * kLanes / 2, pairs);
+    }
+}
+#endif
 
 // Per-row data of one row block, as vectors of rows.
 struct RowBlock {
@@ -636,8 +731,30 @@ void outside_nucleus_dzz(const Problem& p, const BwdArgs& a, int64_t blk, const 
 struct BwdScratch {
   WeightTile w;
   std::vector<float> t, kt, dh;  // pass 1 (kt: the nucleus tile, with BwdArgs::keep; pass 2 too)
-  std::vector<float> dwt, dt, row;  // pass 2: dW^T [h][kTileV], dlogit^T [kBlock][kTileV], a dW row [h]
+  std::vector<float> dw, dt, row;  // pass 2: dW^T [h][kTileV] (dp_bf16: dW [kTileV][hp]), dlogit^T [kBlock][kTileV], a dW row [h]
+  std::vector<uint32_t> wj, dl;  // dp_bf16: the weight tile's pairs (pass 1), the dlogit tile's pairs
 };
+
+// dh[r][k] += sum_j dlogit[j][r] w[j][k], j in order, from the dlogit tile s.t and the weight tile
+// (s.w.wf, or dp_bf16 its pairs s.wj). Not inlined (nor dw_tile): inside the units' loops GCC ran
+// out of general registers and kept outer_block's b pointer in a vector register, on the loads'
+// critical path.
+__attribute__((noinline)) void dh_tile(const Problem& p, int64_t valid, BwdScratch& s) {
+#if defined(__AVX512BF16__)
+  if (dp_bf16(p)) {
+    const int64_t hp = padded_h(p);
+    dlogit_vocab_pairs(s.t.data(), s.dl.data());
+    for (int64_t r = 0; r < kBlock; r += kGradRows)
+      outer_grid<kGradRows, kGradVecs>(
+          Outer<uint32_t>{s.dl.data() + r, kBlock, 1, s.wj.data(), hp, cdiv(valid, 2), s.dh.data() + r * hp, hp},
+          kGradRows, hp / kLanes, false);
+    return;
+  }
+#endif
+  for (int64_t r = 0; r < kBlock; r += kGradRows)  // kGradRows rows at a time over all k
+    outer_f32<kGradRows, kGradVecs>(Outer<float>{s.t.data() + r, kBlock, 1, s.w.wf.data(), p.h, valid, s.dh.data() + r * p.h, p.h},
+                                    std::min<int64_t>(kGradRows, kBlock - r), p.h, false);
+}
 
 // Pass 1: dH and dT of one row block, over the whole local vocab in order.
 void dhidden_unit(const Problem& p, const BwdArgs& a, const Panels& ap, int64_t blk, BwdScratch& s) {
@@ -653,30 +770,49 @@ void dhidden_unit(const Problem& p, const BwdArgs& a, const Panels& ap, int64_t 
     for (int64_t v0 = c0; v0 < std::min(c0 + p.chunk, real_end); v0 += kTileV) {
       const int64_t valid = std::min({kTileV, c0 + p.chunk - v0, real_end - v0});
       const int64_t tile = c0 / p.chunk * tiles_per_chunk + (v0 - c0) / kTileV;
-      load_weight_tile(p, a.weight, v0, v0 + valid, s.w.wf.data());  // dH's operand
-      if (!a.logits && dp_bf16(p)) load_weight_pairs(p, a.weight, v0, v0 + valid, s.w.wb.data());
+#if defined(__AVX512BF16__)
+      if (dp_bf16(p)) {
+        load_weight_row_pairs(p, a.weight, v0, v0 + valid, s.wj.data());  // dH's operand
+        if (!a.logits) load_weight_pairs(p, a.weight, v0, v0 + valid, s.w.wb.data());  // lean's logits
+      }
+#endif
+      if (!dp_bf16(p)) load_weight_tile(p, a.weight, v0, v0 + valid, s.w.wf.data());  // dH's (and lean's logits')
       z_tile(p, a, ap, blk, v0, valid, tile, rb, s.w, s.t.data(), kind);
       if (a.keep) keep_tile(p, a.keep, blk * kBlock, v0, valid, s.kt.data());
       dlogit_tile(s.t.data(), p.vocab_start + v0, valid, rb, kind, p.with_entropy, a.keep ? s.kt.data() : nullptr,
                   kind.q ? nullptr : dzz);
-      // dh[r][k] += sum_j dlogit[j][r] wf[j][k], j in order: kDhRows rows at a time over all k.
-      for (int64_t r = 0; r < kBlock; r += kDhRows)
-        outer_grid<kDhRows, kDhVecs>({s.t.data() + r, kBlock, 1, s.w.wf.data(), p.h, valid, s.dh.data() + r * p.h, p.h},
-                                     std::min<int64_t>(kDhRows, kBlock - r), p.h / kLanes, false);
-      for (int64_t k = p.h - p.h % kLanes; k < p.h; ++k)  // h tail, same order per element
-        for (int64_t r = 0; r < kBlock; ++r) {
-          float acc = s.dh[r * p.h + k];
-          for (int64_t j = 0; j < valid; ++j) acc = std::fma(s.t[j * kBlock + r], s.w.wf[j * p.h + k], acc);
-          s.dh[r * p.h + k] = acc;
-        }
+      dh_tile(p, valid, s);
     }
   if (a.keep) outside_nucleus_dzz(p, a, blk, rb, dzz);
   for (int64_t i = 0; i < kBlock; ++i) {
     const int64_t r = blk * kBlock + i;
     if (r >= p.n) break;
-    from_f32(a.dhidden_dtype, s.dh.data() + i * p.h, p.h, a.dhidden, r * p.h);
+    from_f32(a.dhidden_dtype, s.dh.data() + i * dh_stride(p), p.h, a.dhidden, r * p.h);
     if (a.dtemp) a.dtemp[r] = -rb.inv_temp[i / kLanes][i % kLanes] * dzz[i / kLanes][i % kLanes];
   }
+}
+
+// The tile's dW (+)= dlogit^T H of row block blk (of `blocks`), rows in order, from the dlogit
+// tile s.t. Under dp_bf16 the dlogit pairs of kDwBlocks row blocks go through one GEMM.
+__attribute__((noinline)) void dw_tile(const Problem& p, const Panels& ap, int64_t blk, int64_t blocks, BwdScratch& s) {
+#if defined(__AVX512BF16__)
+  if (dp_bf16(p)) {  // dw[j][k] += sum over row pairs q of dl[j][q] . hr[q][k]
+    const int64_t hp = padded_h(p), g = blk % kDwBlocks, ldl = kDwBlocks * kBlock / 2;
+    dlogit_row_pairs(s.t.data(), s.dl.data() + g * kBlock / 2, ldl);
+    if (g + 1 < kDwBlocks && blk + 1 < blocks) return;
+    outer_grid<kGradRows, kGradVecs>(Outer<uint32_t>{s.dl.data(), 1, ldl, ap.row_pairs.data() + (blk - g) * kBlock / 2 * hp,
+                                                     hp, (g + 1) * kBlock / 2, s.dw.data(), hp},
+                                     kTileV, hp / kLanes, false);
+    return;
+  }
+#endif
+  // dw[k][j] += sum_r ap[k][r] dt[r][j], r in order, dt the dlogit tile transposed
+  for (int64_t j = 0; j < kTileV; ++j)
+    for (int64_t r = 0; r < kBlock; ++r) s.dt[r * kTileV + j] = s.t[j * kBlock + r];
+  for (int64_t pq = 0; pq < 2; ++pq)
+    outer_grid<kDwK, kDwVecs>(Outer<float>{ap.f32.data() + (2 * blk + pq) * kPanel * p.h, 1, kPanel,
+                                           s.dt.data() + pq * kPanel * kTileV, kTileV, kPanel, s.dw.data(), kTileV},
+                              p.h, kTileV / kLanes, false);
 }
 
 // Pass 2: dW and db of one vocab tile (the forward's tiles: kTileV columns from each chunk's
@@ -688,35 +824,31 @@ void dweight_unit(const Problem& p, const BwdArgs& a, const Panels& ap, int64_t 
   const int64_t real_end = std::clamp<int64_t>(p.real_vocab - p.vocab_start, 0, p.v);
   const int64_t rows = std::min(kTileV, c1 - v0);
   const int64_t valid = std::clamp<int64_t>(std::min(real_end, c1) - v0, 0, kTileV);
-  std::fill(s.dwt.begin(), s.dwt.end(), 0.f);  // dwt[k][j]
+  std::fill(s.dw.begin(), s.dw.end(), 0.f);
   float db[kTileV] = {};
   if (valid > 0) {
     if (!a.logits) load_logits_weight(p, a.weight, v0, v0 + valid, s.w);
     RowBlock rb;
     TileKind kind;
-    std::vector<float>& dt = s.dt;  // dlogit transposed: dt[r][j]
-    for (int64_t blk = 0; blk < cdiv(p.n, kBlock); ++blk) {
+    const int64_t blocks = cdiv(p.n, kBlock);
+    for (int64_t blk = 0; blk < blocks; ++blk) {
       load_row_block(p, a, blk, rb);
       z_tile(p, a, ap, blk, v0, valid, tile, rb, s.w, s.t.data(), kind);
       if (a.keep) keep_tile(p, a.keep, blk * kBlock, v0, valid, s.kt.data());
       dlogit_tile(s.t.data(), p.vocab_start + v0, valid, rb, kind, p.with_entropy, a.keep ? s.kt.data() : nullptr,
                   nullptr);
-      for (int64_t j = 0; j < kTileV; ++j)
-        for (int64_t r = 0; r < kBlock; ++r) {
-          dt[r * kTileV + j] = s.t[j * kBlock + r];
-          db[j] += s.t[j * kBlock + r];
-        }
-      // dwt[k][j] += sum_r ap[k][r] dt[r][j], r in order.
-      for (int64_t pq = 0; pq < 2; ++pq)
-        outer_grid<kDwK, kDwVecs>({ap.f32.data() + (2 * blk + pq) * kPanel * p.h, 1, kPanel,
-                                   dt.data() + pq * kPanel * kTileV, kTileV, kPanel, s.dwt.data(), kTileV},
-                                  p.h, kTileV / kLanes, false);
+      for (int64_t r = 0; r < kBlock; ++r)  // r outer: kTileV independent sums, each in row order
+        for (int64_t j = 0; j < kTileV; ++j) db[j] += s.t[j * kBlock + r];
+      dw_tile(p, ap, blk, blocks, s);
     }
   }
-  float* row = s.row.data();
   for (int64_t j = 0; j < rows; ++j) {
-    for (int64_t k = 0; k < p.h; ++k) row[k] = s.dwt[k * kTileV + j];
-    from_f32(p.dtype, row, p.h, a.dweight, (v0 + j) * p.h);
+    if (dp_bf16(p)) {
+      from_f32(p.dtype, s.dw.data() + j * padded_h(p), p.h, a.dweight, (v0 + j) * p.h);
+    } else {
+      for (int64_t k = 0; k < p.h; ++k) s.row[k] = s.dw[k * kTileV + j];
+      from_f32(p.dtype, s.row.data(), p.h, a.dweight, (v0 + j) * p.h);
+    }
     if (a.dbias) a.dbias[v0 + j] = db[j];
   }
 }
@@ -766,7 +898,10 @@ Status backward(const Problem& p, const BwdArgs& a) {
     return nullptr;
   }
   Panels ap;
-  ap.f32 = pack_hidden(p, a.hidden);  // dW's operand
+#if defined(__AVX512BF16__)
+  if (dp_bf16(p)) ap.row_pairs = pack_hidden_row_pairs(p, a.hidden);  // dW's operand
+#endif
+  if (!dp_bf16(p)) ap.f32 = pack_hidden(p, a.hidden);  // dW's operand (and lean's logits')
   if (!a.logits && dp_bf16(p)) ap.pairs = pack_hidden_pairs(p, a.hidden);  // lean's logits
   const int64_t blocks = cdiv(p.n, kBlock), tiles = num_chunks(p) * cdiv(p.chunk, kTileV);
   auto make = [&](int workers, bool pass1) {
@@ -775,10 +910,14 @@ Status backward(const Problem& p, const BwdArgs& a) {
       s.w = weight_tile(p);
       s.t.resize(size_t(kTileV * kBlock));
       if (a.keep) s.kt.resize(size_t(kTileV * kBlock));
+      if (dp_bf16(p)) s.dl.resize(size_t(kTileV * kBlock / 2 * (pass1 ? 1 : kDwBlocks)));
       if (pass1) {
-        s.dh.resize(size_t(kBlock * p.h));
+        s.dh.resize(size_t(kBlock * dh_stride(p)));
+        if (dp_bf16(p)) s.wj.resize(size_t(kTileV / 2 * padded_h(p)));
+      } else if (dp_bf16(p)) {
+        s.dw.resize(size_t(kTileV * padded_h(p)));
       } else {
-        s.dwt.resize(size_t(p.h * kTileV));
+        s.dw.resize(size_t(p.h * kTileV));
         s.dt.resize(size_t(kBlock * kTileV));
         s.row.resize(size_t(p.h));
       }

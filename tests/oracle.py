@@ -21,9 +21,16 @@ VALUE_ATOL, VALUE_RTOL = 2e-5, 2e-5
 GRAD_RTOL = {"bfloat16": 2.0 ** -8, "float16": 2.0 ** -10, "float32": 1e-5}
 ACCUM_RTOL = 1e-5
 KEPT_RTOL, KEPT_ATOL = 2.0 ** -11, 2.0 ** -24
-# - the CUDA backward rounds dlogit to the operand dtype before its GEMMs: |error| <= u |dlogit|,
-#   u the dtype's unit roundoff (DLOGIT_ROUNDING), carried into the same magnitude sums.
+# - the CUDA backward rounds dlogit to the operand dtype before its GEMMs, the CPU backward bf16
+#   dlogit (vdpbf16ps, on a CPU with AVX512-BF16): |error| <= u |dlogit|, u the dtype's unit
+#   roundoff (DLOGIT_ROUNDING), carried into the same magnitude sums.
 DLOGIT_ROUNDING = {"bfloat16": 2.0 ** -9, "float16": 2.0 ** -11, "float32": 0.0}
+
+
+def cpu_dlogit_dtype(dtype):
+    """linear_logp's dlogit_dtype for the CPU backward: bf16 for bf16 operands (a bound, also where
+    the CPU lacks AVX512-BF16 and keeps dlogit fp32), else None."""
+    return "bfloat16" if str(dtype) == "bfloat16" else None
 
 
 def f64(x):
@@ -35,7 +42,7 @@ def linear_logp(h, w, t, *, bias=None, temperature=1.0, ignore_index=-100, real_
     """Returns dict(logp, entropy, dh, dw, db, dtemp) in float64 for loss = sum g*logp + sum e*entropy,
     and the magnitudes *_abs that scale the gradients' tolerances. kept_fp16: the gradients were
     computed from fp16 kept logits (the fast backward on 16-bit operands); dlogit_dtype: dlogit
-    was rounded to this dtype before the gradient GEMMs (the CUDA backward). nucleus: a top-p keep mask
+    was rounded to this dtype before the gradient GEMMs (the CUDA backward; cpu_dlogit_dtype). nucleus: a top-p keep mask
     [n, v] bool: logp over it (-inf for a target outside it, NaN for an empty one), the entropy
     unmasked, the logp gradient g kept (delta - p_kept)."""
     h, w = f64(h), f64(w)

@@ -24,7 +24,8 @@ def check_against_oracle(n, h, v, dtype, o, fn=rlk_xla.linear_logp, seed=0, back
     logp, ent, grads = value_and_grads(op, d, kw, g, e, with_entropy=ent_on)
     ref = oracle.linear_logp(d["hidden"], d["weight"], d["targets"], bias=kw.get("bias"),
                              temperature=kw.get("temperature", 1.0), real_vocab=o["real_vocab"], g=g,
-                             e=e if ent_on else None, kept_fp16=backward == "fast" and dtype != "float32")
+                             e=e if ent_on else None, kept_fp16=backward == "fast" and dtype != "float32",
+                             dlogit_dtype=oracle.cpu_dlogit_dtype(dtype))
     oracle.assert_values(logp, ref["logp"], "logp")
     if ent_on:
         oracle.assert_values(ent, ref["entropy"], "entropy")

@@ -84,7 +84,8 @@ def check(c, got, hidden, weight, bias, temp, ref_ids, g, e, contract_only=False
     ref = oracle.linear_logp(hidden, weight, ref_ids, bias=bias, temperature=temp,
                              ignore_index=c["ignore_index"], real_vocab=c["real"], g=g,
                              e=e if c["entropy"] else None,
-                             kept_fp16=c["backward"] != "lean" and c["dtype"] != "float32")
+                             kept_fp16=c["backward"] != "lean" and c["dtype"] != "float32",
+                             dlogit_dtype=oracle.cpu_dlogit_dtype(c["dtype"]))
     outs = [("logp", got["logp"], ref["logp"])] + ([("entropy", got["entropy"], ref["entropy"])] if c["entropy"] else [])
     for what, x, r in outs:
         x = oracle.f64(x)

@@ -56,7 +56,8 @@ def test_against_float64_oracle(tp, dp, backward):
     d, kw, g, e = inputs(seed=tp + 10 * dp)
     lp, ent, (dh, dw, db, dT) = run(tp, d, kw, g, e, dp=dp, backward=backward)
     ref = oracle.linear_logp(d["hidden"], d["weight"], d["targets"], bias=kw["bias"], temperature=kw["temperature"],
-                             real_vocab=kw["real_vocab_size"], g=g, e=e, kept_fp16=backward == "fast")
+                             real_vocab=kw["real_vocab_size"], g=g, e=e, kept_fp16=backward == "fast",
+                             dlogit_dtype=oracle.cpu_dlogit_dtype("bfloat16"))
     oracle.assert_values(lp, ref["logp"], "logp")
     oracle.assert_values(ent, ref["entropy"], "entropy")
     oracle.assert_grad(dh, ref["dh"], "bfloat16", "d hidden", ref["dh_abs"])

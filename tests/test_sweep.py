@@ -36,7 +36,8 @@ def test_random_case(seed):
     logp, ent, grads = value_and_grads(fn, d, kw, g, e, with_entropy=c["entropy"])
     ref = oracle.linear_logp(d["hidden"], d["weight"], d["targets"], bias=kw.get("bias"),
                              temperature=kw.get("temperature", 1.0), real_vocab=c["real_vocab"], g=g,
-                             e=e if c["entropy"] else None, kept_fp16=kept_fp16)
+                             e=e if c["entropy"] else None, kept_fp16=kept_fp16,
+                             dlogit_dtype=oracle.cpu_dlogit_dtype(c["dtype"]) if c["mode"] != "off" else None)
     oracle.assert_values(logp, ref["logp"], f"logp {c}")
     if c["entropy"]:
         oracle.assert_values(ent, ref["entropy"], f"entropy {c}")

@@ -63,7 +63,8 @@ def ref_of(d, kw, g, e, keep, kept_fp16=False):
                               temperature=to_np(temp) if isinstance(temp, torch.Tensor) else temp,
                               real_vocab=kw.get("real_vocab_size"), g=to_np(g), e=to_np(e),
                               nucleus=keep.cpu().numpy(), kept_fp16=kept_fp16,
-                              dlogit_dtype=str(d["hidden"].dtype).split(".")[1] if cuda else None)
+                              dlogit_dtype=str(d["hidden"].dtype).split(".")[1] if cuda
+                              else oracle.cpu_dlogit_dtype(str(d["hidden"].dtype).split(".")[1]))
 
 
 def check(out, ref, dtype, what, plain=None):

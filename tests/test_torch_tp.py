@@ -265,7 +265,8 @@ def test_tp_nucleus_is_tp_invariant_and_exact(tp_results, name, backward):
     temp = kw.get("temperature", 1.0)
     opts = dict(bias=to_np(kw["bias"]) if "bias" in kw else None,
                 temperature=to_np(temp) if isinstance(temp, torch.Tensor) else temp,
-                real_vocab=kw.get("real_vocab_size"), g=g.numpy(), e=e.numpy(), nucleus=keep.numpy())
+                real_vocab=kw.get("real_vocab_size"), g=g.numpy(), e=e.numpy(), nucleus=keep.numpy(),
+                dlogit_dtype=oracle.cpu_dlogit_dtype(dtype))
     args = (to_np(d["hidden"]), to_np(d["weight"]), d["targets"].numpy())
     ref = oracle.linear_logp(*args, **opts)
     ref_kept = oracle.linear_logp(*args, kept_fp16=backward == "fast" and dtype != "float32", **opts)
