@@ -300,13 +300,21 @@ int64_t dh_stride(const Problem& p) { return dp_bf16(p) ? padded_h(p) : p.h; }
 // no column tail.
 
 // Rows x and y of h bf16 (null: zeros) -> dst[k] = (x[k], y[k]) for k < hp, zero past h.
-void pair_rows(const uint16_t* x, const uint16_t* y, int64_t h, int64_t hp, uint32_t* dst) {
-  int16_t lo[32], hi[32];  // vpermt2w indices: x[k] to even halves, y[k] (32 + k) to odd ones
-  for (int i = 0; i < 32; ++i) {
-    lo[i] = int16_t(i / 2 + (i % 2) * 32);
-    hi[i] = int16_t(lo[i] + 16);
+// vpermt2w indices of pair_rows: x[k] to the even halves, y[k] (index 32 + k) to the odd ones;
+// `hi` the same for k + 16. Built once, not per row pair.
+struct PairIndex {
+  alignas(64) int16_t lo[32], hi[32];
+  PairIndex() {
+    for (int i = 0; i < 32; ++i) {
+      lo[i] = int16_t(i / 2 + (i % 2) * 32);
+      hi[i] = int16_t(lo[i] + 16);
+    }
   }
-  const __m512i ilo = _mm512_loadu_si512(lo), ihi = _mm512_loadu_si512(hi);
+};
+const PairIndex kPairIndex;
+
+void pair_rows(const uint16_t* x, const uint16_t* y, int64_t h, int64_t hp, uint32_t* dst) {
+  const __m512i ilo = _mm512_load_si512(kPairIndex.lo), ihi = _mm512_load_si512(kPairIndex.hi);
   int64_t k = 0;
   if (x && y)
     for (; k + 32 <= h; k += 32) {
@@ -335,8 +343,9 @@ std::vector<uint32_t> pack_hidden_row_pairs(const Problem& p, const void* hidden
 // at or past v_end are zero.
 void load_weight_row_pairs(const Problem& p, const void* weight, int64_t v0, int64_t v_end, uint32_t* wj) {
   const uint16_t* w = static_cast<const uint16_t*>(weight);
+  const int64_t hp = padded_h(p);
   auto row = [&](int64_t j) { return v0 + j < v_end ? w + (v0 + j) * p.h : nullptr; };
-  for (int64_t q = 0; q < kTileV / 2; ++q) pair_rows(row(2 * q), row(2 * q + 1), p.h, padded_h(p), wj + q * padded_h(p));
+  for (int64_t q = 0; q < kTileV / 2; ++q) pair_rows(row(2 * q), row(2 * q + 1), p.h, hp, wj + q * hp);
 }
 
 // dlogit's one rounding: 16 fp32 -> 16 bf16, to nearest even.
