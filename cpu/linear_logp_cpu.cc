@@ -2,8 +2,8 @@
 //
 // Layout of the work. Hidden is packed once per call into fp32 panels of kPanel rows, k-major
 // (`Ap[k][r]`), so the logits micro-kernel broadcasts one weight value and multiplies a whole
-// vector of rows. Weight tiles of kTileV vocab rows are converted to fp32 in their natural layout
-// (`Wf[j][k]`). A logits tile is `T[j][r]` (vocab-major): every epilogue then works on vectors of
+// vector of rows. Weight tiles of kTileV vocab rows are read in their natural layout (`W[j][k]`),
+// in place where the weight already is fp32 (else converted). A logits tile is `T[j][r]` (vocab-major): every epilogue then works on vectors of
 // rows, one lane per row, so a row's bits never depend on the other rows in the call.
 // bf16 operands on a CPU with AVX512-BF16 take the logits from bf16 pairs instead (`dp_bf16`):
 // vdpbf16ps multiplies two k of bf16 exactly and adds both products to the fp32 accumulator, twice
@@ -16,8 +16,12 @@
 //
 // Order of every reduction is fixed by shapes alone:
 //   forward   unit = (row block, chunk); tiles of the chunk from its first column, in order.
-//   backward  pass 1 (dH, dT): unit = row block, all tiles in vocab order.
+//   backward  pass 1 (dH, dT): unit = kDhBlocks row blocks (one where there are few), each
+//                               over all tiles in vocab order; a unit's blocks share the weight's reads.
 //             pass 2 (dW, db):  unit = vocab tile, all row blocks in row order.
+// The fp32 gradient GEMMs take several tiles (dH: kDhTiles vocab tiles, dW: kDwBlocks row blocks)
+// per call, so the accumulators stay in registers over longer chains; a chain's order, and so
+// every bit, is the one a call per tile gives.
 // The lean backward recomputes logits in both passes (four GEMM-equivalents in all), which keeps
 // the threads' outputs disjoint with no fp32 [v, h] or [n, v] scratch; the fast one reads them
 // from the forward's kept logits instead (two GEMM-equivalents).
@@ -62,7 +66,9 @@ constexpr int kDwK = 6;
 constexpr int kDwVecs = 2;
 #endif
 static_assert(kPanel % (kLogitVecs * kLanes) == 0 && kTileV % (kDwVecs * kLanes) == 0);
-constexpr int64_t kDwBlocks = 4;  // row blocks per dW GEMM under dp_bf16: 128 steps per accumulator load
+constexpr int64_t kDwBlocks = 4;  // row blocks per dW GEMM: 256 steps per accumulator load (128 pairs)
+constexpr int64_t kDhTiles = 4;   // vocab tiles per fp32 dH GEMM: up to 256 steps per accumulator load
+constexpr int64_t kDhBlocks = 2;  // row blocks per pass-1 unit (given enough blocks): one weight read serves them
 
 inline int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
@@ -80,16 +86,20 @@ inline uint32_t bf16_pair(const uint16_t* x, int64_t q, int64_t h) {
   return uint32_t(x[2 * q]) | (2 * q + 1 < h ? uint32_t(x[2 * q + 1]) << 16 : 0u);
 }
 
-// Hidden [n, h] -> panels Ap[panel][k][kPanel] in fp32, two per row block; rows past n are zero.
-std::vector<float> pack_hidden(const Problem& p, const void* hidden) {
-  const int64_t panels = 2 * cdiv(p.n, kBlock);
-  std::vector<float> ap(size_t(panels * kPanel * p.h), 0.f);
-  parallel_for(panels, workers_for(panels), [&](int, int64_t q) {
+// Rows of the hidden panels: n rounded up to whole row blocks.
+int64_t padded_n(const Problem& p) { return cdiv(p.n, kBlock) * kBlock; }
+
+// Hidden [n, h] -> panels Ap[panel][k][width] in fp32, rows past n zero: width = kPanel for the
+// logits, or padded_n for the fp32 dW GEMM (one panel: hidden^T, whose steps run over any rows).
+std::vector<float> pack_hidden(const Problem& p, const void* hidden, int64_t width) {
+  std::vector<float> ap(size_t(padded_n(p) * p.h), 0.f);
+  const int64_t units = cdiv(p.n, kPanel);
+  parallel_for(units, workers_for(units), [&](int, int64_t q) {
     std::vector<float> row(size_t(p.h));
-    float* dst = ap.data() + q * kPanel * p.h;
-    for (int64_t r = 0; r < kPanel && q * kPanel + r < p.n; ++r) {
-      to_f32(p.dtype, hidden, (q * kPanel + r) * p.h, p.h, row.data());
-      for (int64_t k = 0; k < p.h; ++k) dst[k * kPanel + r] = row[k];
+    for (int64_t r = q * kPanel; r < std::min(p.n, (q + 1) * kPanel); ++r) {
+      to_f32(p.dtype, hidden, r * p.h, p.h, row.data());
+      float* dst = ap.data() + r / width * width * p.h + r % width;
+      for (int64_t k = 0; k < p.h; ++k) dst[k * width] = row[k];
     }
   });
   return ap;
@@ -108,10 +118,11 @@ std::vector<uint32_t> pack_hidden_pairs(const Problem& p, const void* hidden) {
   return ap;
 }
 
-// The hidden panels a call's GEMMs read: fp32 (the logits' and dW's unless dp_bf16) and bf16 pairs
-// (the logits' when dp_bf16).
+// The hidden panels a call's GEMMs read: fp32 (the logits' unless dp_bf16) and bf16 pairs (the
+// logits' when dp_bf16), and the dW GEMM's operand.
 struct Panels {
   std::vector<float> f32;
+  std::vector<float> t;  // the backward's fp32 dW operand, hidden^T (pack_hidden, width padded_n)
   std::vector<uint32_t> pairs;
   std::vector<uint32_t> row_pairs;  // the backward's dW operand when dp_bf16 (pack_hidden_row_pairs)
 };
@@ -132,10 +143,15 @@ void load_weight_pairs(const Problem& p, const void* weight, int64_t v0, int64_t
   std::fill(wb + rows * hk, wb + kTileV * hk, 0u);
 }
 
-// A weight tile as the logits and the dH GEMM read it.
+// A weight tile as the logits read it: fp32 rows [kTileV][h] (f32) or, under dp_bf16, bf16 pairs
+// [kTileV][h/2] (pairs). A whole tile whose weight already has that layout (fp32; bf16 of even h)
+// is read in place: its rows are streamed once, each row in order. Other tiles are converted into
+// wf or wb, with zero rows past the vocab's end.
 struct WeightTile {
-  std::vector<float> wf;      // fp32 [kTileV][h]
-  std::vector<uint32_t> wb;   // bf16 pairs [kTileV][h/2] (dp_bf16)
+  std::vector<float> wf;
+  std::vector<uint32_t> wb;
+  const float* f32 = nullptr;
+  const uint32_t* pairs = nullptr;
 };
 
 // The GEMMs' operands: c[i][x] (+)= sum_{s < steps} a[s as + i ai] b[s bs + x] for rows i and
@@ -165,8 +181,10 @@ inline fvec load_operand(const uint32_t* p) { return vload(reinterpret_cast<cons
 #endif
 
 // Rows i < M by NV vectors of columns, accumulators in registers: each element is one chain over
-// s in increasing order, from 0 (zero_c) or from c's value.
-template <int M, int NV, class E>
+// s in increasing order, from 0 (zero_c) or from c's value. kPrefetch: b's rows are far apart (the
+// weight's own rows, read in place), too many streams for the hardware prefetcher, so each step
+// also asks for its row's next NV vectors, the next column block's operand.
+template <int M, int NV, class E, bool kPrefetch = false>
 inline __attribute__((always_inline)) void outer_block(const Outer<E>& o, bool zero_c) {
   fvec acc[M][NV];
 #pragma GCC unroll 16
@@ -185,6 +203,8 @@ inline __attribute__((always_inline)) void outer_block(const Outer<E>& o, bool z
 #endif
       b[v] = x;
     }
+    if constexpr (kPrefetch)
+      for (int v = 0; v < NV; ++v) __builtin_prefetch(o.b + s * o.bs + (NV + v) * kLanes);
 #pragma GCC unroll 16
     for (int i = 0; i < M; ++i) {
       const fvec x = bcast(o.a[s * o.as + i * o.ai]);
@@ -199,22 +219,22 @@ inline __attribute__((always_inline)) void outer_block(const Outer<E>& o, bool z
 }
 
 // Rows [0, m) in blocks of M (the last m % M rows by smaller blocks), NV vectors of columns.
-template <int M, int NV, class E>
+template <int M, int NV, class E, bool kPrefetch = false>
 void outer_rows(const Outer<E>& o, int64_t m, bool zero_c) {
   int64_t i = 0;
-  for (; i + M <= m; i += M) outer_block<M, NV, E>(o.rows_from(i), zero_c);
+  for (; i + M <= m; i += M) outer_block<M, NV, E, kPrefetch>(o.rows_from(i), zero_c);
   if constexpr (M > 1)
-    if (i < m) outer_rows<M - 1, NV, E>(o.rows_from(i), m - i, zero_c);
+    if (i < m) outer_rows<M - 1, NV, E, kPrefetch>(o.rows_from(i), m - i, zero_c);
 }
 
 // Rows [0, m) by nv vectors of columns: blocks of NV vectors (the rest by smaller blocks), each
 // over all rows.
-template <int M, int NV, class E>
+template <int M, int NV, class E, bool kPrefetch = false>
 void outer_grid(const Outer<E>& o, int64_t m, int64_t nv, bool zero_c) {
   int64_t v = 0;
-  for (; v + NV <= nv; v += NV) outer_rows<M, NV, E>(o.cols_from(v * kLanes), m, zero_c);
+  for (; v + NV <= nv; v += NV) outer_rows<M, NV, E, kPrefetch>(o.cols_from(v * kLanes), m, zero_c);
   if constexpr (NV > 1)
-    if (v < nv) outer_grid<M, NV - 1, E>(o.cols_from(v * kLanes), m, nv - v, zero_c);
+    if (v < nv) outer_grid<M, NV - 1, E, kPrefetch>(o.cols_from(v * kLanes), m, nv - v, zero_c);
 }
 
 // Columns [x0, x1) of c, each element the same FMA chain as outer_block's: the columns past the
@@ -229,9 +249,9 @@ void outer_tail(const Outer<float>& o, int64_t m, int64_t x0, int64_t x1, bool z
 }
 
 // Rows [0, m) by `cols` columns of c in fp32: whole vectors by outer_grid, the rest by outer_tail.
-template <int M, int NV>
+template <int M, int NV, bool kPrefetch = false>
 void outer_f32(const Outer<float>& o, int64_t m, int64_t cols, bool zero_c) {
-  outer_grid<M, NV>(o, m, cols / kLanes, zero_c);
+  outer_grid<M, NV, float, kPrefetch>(o, m, cols / kLanes, zero_c);
   outer_tail(o, m, cols - cols % kLanes, cols, zero_c);
 }
 
@@ -268,15 +288,27 @@ void logits_tile(const E* w, const E* ap, int64_t q0, int64_t steps, float* t) {
 // The logits tile of row block blk from the weight tile w.
 void tile_logits(const Problem& p, const Panels& ap, const WeightTile& w, int64_t blk, float* t) {
 #if defined(__AVX512BF16__)
-  if (dp_bf16(p)) return logits_tile(w.wb.data(), ap.pairs.data(), 2 * blk, pair_steps(p), t);
+  if (dp_bf16(p)) return logits_tile(w.pairs, ap.pairs.data(), 2 * blk, pair_steps(p), t);
 #endif
-  logits_tile(w.wf.data(), ap.f32.data(), 2 * blk, p.h, t);
+  logits_tile(w.f32, ap.f32.data(), 2 * blk, p.h, t);
 }
 
-// The weight tile the logits read (wb when dp_bf16, else wf).
+// The weight tile the logits read: pairs when dp_bf16, else f32 (see WeightTile).
 void load_logits_weight(const Problem& p, const void* weight, int64_t v0, int64_t v_end, WeightTile& w) {
-  if (dp_bf16(p)) load_weight_pairs(p, weight, v0, v_end, w.wb.data());
-  else load_weight_tile(p, weight, v0, v_end, w.wf.data());
+  const bool whole = v_end - v0 == kTileV;
+  if (dp_bf16(p)) {
+    if (whole && p.h % 2 == 0) {
+      w.pairs = static_cast<const uint32_t*>(weight) + v0 * p.h / 2;
+      return;
+    }
+    load_weight_pairs(p, weight, v0, v_end, w.wb.data());
+    w.pairs = w.wb.data();
+  } else if (whole && p.dtype == DType::kF32) {
+    w.f32 = static_cast<const float*>(weight) + v0 * p.h;
+  } else {
+    load_weight_tile(p, weight, v0, v_end, w.wf.data());
+    w.f32 = w.wf.data();
+  }
 }
 
 WeightTile weight_tile(const Problem& p) {
@@ -739,65 +771,86 @@ void outside_nucleus_dzz(const Problem& p, const BwdArgs& a, int64_t blk, const 
 
 struct BwdScratch {
   WeightTile w;
-  std::vector<float> t, kt, dh;  // pass 1 (kt: the nucleus tile, with BwdArgs::keep; pass 2 too)
+  std::vector<float> t, kt, dh;  // pass 1, per row block of the unit (kt: the nucleus tile, with BwdArgs::keep; pass 2 too)
   std::vector<float> dw, dt, row;  // pass 2: dW^T [h][kTileV] (dp_bf16: dW [kTileV][hp]), dlogit^T [kBlock][kTileV], a dW row [h]
   std::vector<uint32_t> wj, dl;  // dp_bf16: the weight tile's pairs (pass 1), the dlogit tile's pairs
 };
 
-// dh[r][k] += sum_j dlogit[j][r] w[j][k], j in order, from the dlogit tile s.t and the weight tile
-// (s.w.wf, or dp_bf16 its pairs s.wj). Not inlined (nor dw_tile): inside the units' loops GCC ran
-// out of general registers and kept outer_block's b pointer in a vector register, on the loads'
-// critical path.
-__attribute__((noinline)) void dh_tile(const Problem& p, int64_t valid, BwdScratch& s) {
+// dh[r][k] += sum_j dlogit[j][r] w[j][k], j in order: under dp_bf16 from the dlogit tile t and
+// the weight tile's pairs s.wj; else from the `rows` dlogit rows gathered in t (up to kDhTiles
+// tiles) and the weight's rows [v0, v0 + rows), read in place (fp32) or converted into s.w.wf
+// (the unit's first row block converts them, `convert`).
+// Not inlined (nor dw_tile): inside the units' loops GCC ran out of general registers and kept
+// outer_block's b pointer in a vector register, on the loads' critical path.
+__attribute__((noinline)) void dh_tile(const Problem& p, const void* weight, int64_t v0, int64_t rows, bool convert,
+                                       const float* t, float* dh, BwdScratch& s) {
 #if defined(__AVX512BF16__)
   if (dp_bf16(p)) {
     const int64_t hp = padded_h(p);
-    dlogit_vocab_pairs(s.t.data(), s.dl.data());
+    dlogit_vocab_pairs(t, s.dl.data());
     for (int64_t r = 0; r < kBlock; r += kGradRows)
       outer_grid<kGradRows, kGradVecs>(
-          Outer<uint32_t>{s.dl.data() + r, kBlock, 1, s.wj.data(), hp, cdiv(valid, 2), s.dh.data() + r * hp, hp},
+          Outer<uint32_t>{s.dl.data() + r, kBlock, 1, s.wj.data(), hp, cdiv(rows, 2), dh + r * hp, hp},
           kGradRows, hp / kLanes, false);
     return;
   }
 #endif
-  for (int64_t r = 0; r < kBlock; r += kGradRows)  // kGradRows rows at a time over all k
-    outer_f32<kGradRows, kGradVecs>(Outer<float>{s.t.data() + r, kBlock, 1, s.w.wf.data(), p.h, valid, s.dh.data() + r * p.h, p.h},
-                                    std::min<int64_t>(kGradRows, kBlock - r), p.h, false);
+  const float* w = static_cast<const float*>(weight) + v0 * p.h;
+  if (p.dtype != DType::kF32) {
+    if (convert) to_f32(p.dtype, weight, v0 * p.h, rows * p.h, s.w.wf.data());
+    w = s.w.wf.data();
+  }
+  outer_f32<kGradRows, kGradVecs, true>(Outer<float>{t, kBlock, 1, w, p.h, rows, dh, p.h}, kBlock, p.h, false);
 }
 
-// Pass 1: dH and dT of one row block, over the whole local vocab in order.
-void dhidden_unit(const Problem& p, const BwdArgs& a, const Panels& ap, int64_t blk, BwdScratch& s) {
-  RowBlock rb;
-  load_row_block(p, a, blk, rb);
-  fvec dzz[kRowVecs] = {};
-  TileKind kind;
-  if (a.logits && !kept_f32(p)) kept_dzz(p, a, blk, rb, dzz);
+// Pass 1: dH and dT of row blocks [blk0, blk0 + nb), each over the whole local vocab in order.
+void dhidden_unit(const Problem& p, const BwdArgs& a, const Panels& ap, int64_t blk0, int64_t nb, BwdScratch& s) {
+  RowBlock rb[kDhBlocks];
+  fvec dzz[kDhBlocks][kRowVecs] = {};
+  TileKind kind[kDhBlocks];
+  for (int64_t b = 0; b < nb; ++b) {
+    load_row_block(p, a, blk0 + b, rb[b]);
+    if (a.logits && !kept_f32(p)) kept_dzz(p, a, blk0 + b, rb[b], dzz[b]);
+  }
+  const int64_t t_size = s.t.size() / kDhBlocks, dh_size = s.dh.size() / kDhBlocks;
   std::fill(s.dh.begin(), s.dh.end(), 0.f);
   const int64_t real_end = std::clamp<int64_t>(p.real_vocab - p.vocab_start, 0, p.v);
   const int64_t tiles_per_chunk = cdiv(p.chunk, kTileV);
+  // The tiles' dlogit rows gather in each block's t until a dH GEMM takes them (every tile under
+  // dp_bf16, else every kDhTiles): rows of consecutive tiles are consecutive vocab rows, chunks included.
+  int64_t gathered = 0, tiles = 0;
   for (int64_t c0 = 0; c0 < real_end; c0 += p.chunk)
     for (int64_t v0 = c0; v0 < std::min(c0 + p.chunk, real_end); v0 += kTileV) {
       const int64_t valid = std::min({kTileV, c0 + p.chunk - v0, real_end - v0});
       const int64_t tile = c0 / p.chunk * tiles_per_chunk + (v0 - c0) / kTileV;
 #if defined(__AVX512BF16__)
-      if (dp_bf16(p)) {
-        load_weight_row_pairs(p, a.weight, v0, v0 + valid, s.wj.data());  // dH's operand
-        if (!a.logits) load_weight_pairs(p, a.weight, v0, v0 + valid, s.w.wb.data());  // lean's logits
-      }
+      if (dp_bf16(p)) load_weight_row_pairs(p, a.weight, v0, v0 + valid, s.wj.data());  // dH's operand
 #endif
-      if (!dp_bf16(p)) load_weight_tile(p, a.weight, v0, v0 + valid, s.w.wf.data());  // dH's (and lean's logits')
-      z_tile(p, a, ap, blk, v0, valid, tile, rb, s.w, s.t.data(), kind);
-      if (a.keep) keep_tile(p, a.keep, blk * kBlock, v0, valid, s.kt.data());
-      dlogit_tile(s.t.data(), p.vocab_start + v0, valid, rb, kind, p.with_entropy, a.keep ? s.kt.data() : nullptr,
-                  kind.q ? nullptr : dzz);
-      dh_tile(p, valid, s);
+      if (!a.logits) load_logits_weight(p, a.weight, v0, v0 + valid, s.w);  // lean's logits
+      for (int64_t b = 0; b < nb; ++b) {
+        float* t = s.t.data() + b * t_size + gathered * kBlock;
+        z_tile(p, a, ap, blk0 + b, v0, valid, tile, rb[b], s.w, t, kind[b]);
+        if (a.keep) keep_tile(p, a.keep, (blk0 + b) * kBlock, v0, valid, s.kt.data());
+        dlogit_tile(t, p.vocab_start + v0, valid, rb[b], kind[b], p.with_entropy, a.keep ? s.kt.data() : nullptr,
+                    kind[b].q ? nullptr : dzz[b]);
+      }
+      gathered += valid;
+      const bool last = v0 + valid >= real_end;
+      if (dp_bf16(p) || ++tiles == kDhTiles || last) {
+        for (int64_t b = 0; b < nb; ++b)
+          dh_tile(p, a.weight, v0 + valid - gathered, gathered, b == 0, s.t.data() + b * t_size,
+                  s.dh.data() + b * dh_size, s);
+        gathered = tiles = 0;
+      }
     }
-  if (a.keep) outside_nucleus_dzz(p, a, blk, rb, dzz);
-  for (int64_t i = 0; i < kBlock; ++i) {
-    const int64_t r = blk * kBlock + i;
-    if (r >= p.n) break;
-    from_f32(a.dhidden_dtype, s.dh.data() + i * dh_stride(p), p.h, a.dhidden, r * p.h);
-    if (a.dtemp) a.dtemp[r] = -rb.inv_temp[i / kLanes][i % kLanes] * dzz[i / kLanes][i % kLanes];
+  for (int64_t b = 0; b < nb; ++b) {
+    if (a.keep) outside_nucleus_dzz(p, a, blk0 + b, rb[b], dzz[b]);
+    for (int64_t i = 0; i < kBlock; ++i) {
+      const int64_t r = (blk0 + b) * kBlock + i;
+      if (r >= p.n) break;
+      from_f32(a.dhidden_dtype, s.dh.data() + b * dh_size + i * dh_stride(p), p.h, a.dhidden, r * p.h);
+      if (a.dtemp) a.dtemp[r] = -rb[b].inv_temp[i / kLanes][i % kLanes] * dzz[b][i / kLanes][i % kLanes];
+    }
   }
 }
 
@@ -815,13 +868,16 @@ __attribute__((noinline)) void dw_tile(const Problem& p, const Panels& ap, int64
     return;
   }
 #endif
-  // dw[k][j] += sum_r ap[k][r] dt[r][j], r in order, dt the dlogit tile transposed
+  // dw[k][j] += sum_r ht[k][r] dt[r][j], r in order, dt the dlogit tiles of kDwBlocks row blocks
+  // transposed: one GEMM over them, as under dp_bf16
+  const int64_t g = blk % kDwBlocks;
+  float* dt = s.dt.data() + g * kBlock * kTileV;
   for (int64_t j = 0; j < kTileV; ++j)
-    for (int64_t r = 0; r < kBlock; ++r) s.dt[r * kTileV + j] = s.t[j * kBlock + r];
-  for (int64_t pq = 0; pq < 2; ++pq)
-    outer_grid<kDwK, kDwVecs>(Outer<float>{ap.f32.data() + (2 * blk + pq) * kPanel * p.h, 1, kPanel,
-                                           s.dt.data() + pq * kPanel * kTileV, kTileV, kPanel, s.dw.data(), kTileV},
-                              p.h, kTileV / kLanes, false);
+    for (int64_t r = 0; r < kBlock; ++r) dt[r * kTileV + j] = s.t[j * kBlock + r];
+  if (g + 1 < kDwBlocks && blk + 1 < blocks) return;
+  outer_grid<kDwK, kDwVecs>(Outer<float>{ap.t.data() + (blk - g) * kBlock, 1, padded_n(p), s.dt.data(), kTileV,
+                                         (g + 1) * kBlock, s.dw.data(), kTileV},
+                            p.h, kTileV / kLanes, false);
 }
 
 // Pass 2: dW and db of one vocab tile (the forward's tiles: kTileV columns from each chunk's
@@ -870,7 +926,7 @@ Status forward(const Problem& p, const FwdArgs& a) {
   if (p.n == 0) return nullptr;
   Panels ap;
   if (dp_bf16(p)) ap.pairs = pack_hidden_pairs(p, a.hidden);
-  else ap.f32 = pack_hidden(p, a.hidden);
+  else ap.f32 = pack_hidden(p, a.hidden, kPanel);
   const int64_t k = num_chunks(p), units = cdiv(p.n, kBlock) * k;
   const int workers = workers_for(units);
   std::vector<FwdScratch> scratch(static_cast<size_t>(workers));
@@ -910,33 +966,40 @@ Status backward(const Problem& p, const BwdArgs& a) {
 #if defined(__AVX512BF16__)
   if (dp_bf16(p)) ap.row_pairs = pack_hidden_row_pairs(p, a.hidden);  // dW's operand
 #endif
-  if (!dp_bf16(p)) ap.f32 = pack_hidden(p, a.hidden);  // dW's operand (and lean's logits')
+  if (!dp_bf16(p)) ap.t = pack_hidden(p, a.hidden, padded_n(p));  // dW's operand
+  if (!a.logits && !dp_bf16(p)) ap.f32 = pack_hidden(p, a.hidden, kPanel);  // lean's logits
   if (!a.logits && dp_bf16(p)) ap.pairs = pack_hidden_pairs(p, a.hidden);  // lean's logits
   const int64_t blocks = cdiv(p.n, kBlock), tiles = num_chunks(p) * cdiv(p.chunk, kTileV);
   auto make = [&](int workers, bool pass1) {
     std::vector<BwdScratch> sc(static_cast<size_t>(workers));
     for (auto& s : sc) {
       s.w = weight_tile(p);
-      s.t.resize(size_t(kTileV * kBlock));
+      s.t.resize(size_t((pass1 ? kDhBlocks * (dp_bf16(p) ? 1 : kDhTiles) : 1) * kTileV * kBlock));
       if (a.keep) s.kt.resize(size_t(kTileV * kBlock));
+      if (pass1 && !dp_bf16(p) && p.dtype != DType::kF32) s.w.wf.resize(size_t(kDhTiles * kTileV * p.h));  // dH's converted operand
       if (dp_bf16(p)) s.dl.resize(size_t(kTileV * kBlock / 2 * (pass1 ? 1 : kDwBlocks)));
       if (pass1) {
-        s.dh.resize(size_t(kBlock * dh_stride(p)));
+        s.dh.resize(size_t(kDhBlocks * kBlock * dh_stride(p)));
         if (dp_bf16(p)) s.wj.resize(size_t(kTileV / 2 * padded_h(p)));
       } else if (dp_bf16(p)) {
         s.dw.resize(size_t(kTileV * padded_h(p)));
       } else {
         s.dw.resize(size_t(p.h * kTileV));
-        s.dt.resize(size_t(kBlock * kTileV));
+        s.dt.resize(size_t(kDwBlocks * kBlock * kTileV));
         s.row.resize(size_t(p.h));
       }
     }
     return sc;
   };
   {
-    const int workers = workers_for(blocks);
+    // Units of kDhBlocks row blocks where there are enough for every thread (a unit's blocks get
+    // the bits they would get alone).
+    const int64_t nb = blocks >= kDhBlocks * num_threads() ? kDhBlocks : 1, units = cdiv(blocks, nb);
+    const int workers = workers_for(units);
     auto sc = make(workers, true);
-    parallel_for(blocks, workers, [&](int w, int64_t blk) { dhidden_unit(p, a, ap, blk, sc[w]); });
+    parallel_for(units, workers, [&](int w, int64_t u) {
+      dhidden_unit(p, a, ap, u * nb, std::min(nb, blocks - u * nb), sc[w]);
+    });
   }
   {
     const int workers = workers_for(tiles);
