@@ -452,7 +452,10 @@ void keep_tile(const Problem& p, const uint8_t* keep, int64_t r0, int64_t v0, in
 }
 
 // ---- the kept buffer (FwdArgs::logits, the fast backward's input; kept_bytes) --------------------
-// fp32 operands: z [n, v] fp32, as the forward computed it (what lean recomputes, bit for bit).
+// fp32 operands: z fp32, as the forward computed it (what lean recomputes, bit for bit), by row
+// block: the nr = min(kBlock, n - r0) rows of the block at row r0 keep z^T [v][nr] from float
+// r0 v on (kept_z), so a (row block, vocab tile) piece is one contiguous run in the tiles' own
+// T[j][r] order, moved with no transpose; n v floats in all.
 // 16-bit operands, one record per row (row_bytes):
 //   float moments[chunks][6]   the chunk's (m, s, a, b, s_keep, a_keep), b = sum_j exp(z_j - m)
 //                              (z_j - m)^2, s_keep and a_keep the sums of s and a over the nucleus
@@ -478,17 +481,22 @@ struct KeptRow {
 
 bool kept_f32(const Problem& p) { return p.dtype == DType::kF32; }
 
+// The fp32 record's z of column col for the rows of the block at row r0 (contiguous, nr floats).
+float* kept_z(const Problem& p, const void* kept, int64_t r0, int64_t col) {
+  return const_cast<float*>(static_cast<const float*>(kept)) + r0 * p.v + col * std::min(kBlock, p.n - r0);
+}
+
 // Tile T[j][r] (columns v0.., rows r0..) -> the kept buffer for j < cols: z (fp32) or q (16-bit).
 void store_kept(const Problem& p, void* kept, int64_t r0, int64_t v0, int64_t cols, const float* t) {
+  const int64_t nr = std::min(kBlock, p.n - r0);
+  if (kept_f32(p)) {
+    for (int64_t j = 0; j < cols; ++j) std::copy_n(t + j * kBlock, nr, kept_z(p, kept, r0, v0 + j));
+    return;
+  }
   const KeptRow row(p);
-  for (int64_t r = 0; r < kBlock && r0 + r < p.n; ++r) {
-    if (kept_f32(p)) {
-      float* z = static_cast<float*>(kept) + (r0 + r) * p.v + v0;
-      for (int64_t j = 0; j < cols; ++j) z[j] = t[j * kBlock + r];
-    } else {
-      uint16_t* q = row.q(kept, r0 + r) + v0;
-      for (int64_t j = 0; j < cols; ++j) q[j] = f32_to_f16(t[j * kBlock + r]);
-    }
+  for (int64_t r = 0; r < nr; ++r) {
+    uint16_t* q = row.q(kept, r0 + r) + v0;
+    for (int64_t j = 0; j < cols; ++j) q[j] = f32_to_f16(t[j * kBlock + r]);
   }
 }
 
@@ -497,11 +505,11 @@ void store_kept(const Problem& p, void* kept, int64_t r0, int64_t v0, int64_t co
 void fill_kept_padding(const Problem& p, void* kept, int64_t r0, int64_t c, int64_t pad0) {
   const KeptRow row(p);
   const int64_t c0 = c * p.chunk, c1 = c0 + p.chunk;
+  if (kept_f32(p)) {
+    if (pad0 < c1) std::fill(kept_z(p, kept, r0, pad0), kept_z(p, kept, r0, c1), -INFINITY);
+    return;
+  }
   for (int64_t r = r0; r < std::min(p.n, r0 + kBlock); ++r) {
-    if (kept_f32(p)) {
-      std::fill(static_cast<float*>(kept) + r * p.v + pad0, static_cast<float*>(kept) + r * p.v + c1, -INFINITY);
-      continue;
-    }
     std::fill(row.q(kept, r) + pad0, row.q(kept, r) + c1 + (c1 == p.v ? p.v % 2 : 0), uint16_t(0));
     float* tmax = row.tile_max(kept, r) + c * row.tiles_per_chunk;
     std::fill(tmax + cdiv(pad0 - c0, kTileV), tmax + row.tiles_per_chunk, -INFINITY);
@@ -510,13 +518,18 @@ void fill_kept_padding(const Problem& p, void* kept, int64_t r0, int64_t c, int6
 
 // The kept buffer -> T[j][r] for j < valid (z or q); rows past n read as 0 (they get no gradient).
 void load_kept(const Problem& p, const void* kept, int64_t r0, int64_t v0, int64_t valid, float* t) {
+  const int64_t nr = std::min(kBlock, p.n - r0);
+  if (kept_f32(p)) {
+    for (int64_t j = 0; j < valid; ++j) {
+      std::copy_n(kept_z(p, kept, r0, v0 + j), nr, t + j * kBlock);
+      std::fill(t + j * kBlock + nr, t + (j + 1) * kBlock, 0.f);
+    }
+    return;
+  }
   const KeptRow row(p);
   for (int64_t r = 0; r < kBlock; ++r) {
-    if (r0 + r >= p.n) {
+    if (r >= nr) {
       for (int64_t j = 0; j < valid; ++j) t[j * kBlock + r] = 0.f;
-    } else if (kept_f32(p)) {
-      const float* z = static_cast<const float*>(kept) + (r0 + r) * p.v + v0;
-      for (int64_t j = 0; j < valid; ++j) t[j * kBlock + r] = z[j];
     } else {
       const uint16_t* q = row.q(const_cast<void*>(kept), r0 + r) + v0;
       for (int64_t j = 0; j < valid; ++j) t[j * kBlock + r] = f16_to_f32(q[j]);

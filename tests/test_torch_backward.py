@@ -14,7 +14,7 @@ import _rlk_core
 import torch_bridge
 from torch_bridge import _ops
 from torch_bridge._args import DEFAULT_BACKWARD_MEMORY_BUDGET, kept_bytes, resolve_backward
-from torch_helpers import make_inputs, value_and_grads
+from torch_helpers import kept_z, make_inputs, value_and_grads
 
 F16, F32 = torch.float16, torch.float32
 
@@ -171,7 +171,7 @@ def _decode_cpu_kept(kept, n, v, chunk):
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
 def test_kept_buffer_holds_the_scaled_logits(dtype):
-    """fp32 operands: z = (h.W + b) / T in fp32 [n, v]. 16-bit: per row q = exp(z - tile max) in
+    """fp32 operands: z = (h.W + b) / T in fp32 (by row blocks). 16-bit: per row q = exp(z - tile max) in
     fp16 (relative error 2^-11 at any |z|), the fp32 tile maxima, chunk moments and target logit."""
     d, kw, _, _ = make_inputs(4, 45, 32, 300, dtype, bias=True, temp="array", real_vocab=290)
     h, w, T = d["hidden"], d["weight"], kw["temperature"]
@@ -182,7 +182,7 @@ def test_kept_buffer_holds_the_scaled_logits(dtype):
     z = (h.double() @ w.double().T + b.double()) / T.double()[:, None]
     mag = (h.double().abs() @ w.double().abs().T + b.double().abs()) / T.double()[:, None]
     if dtype == "float32":
-        kz = logits.view(torch.float32).view(45, 300).double()
+        kz = kept_z(logits, 45, 300, "cpu").double()
         assert ((kz[:, :290] - z[:, :290]).abs() <= 1e-6 * mag[:, :290]).all()
     else:
         zm, mom, zt = _decode_cpu_kept(logits, 45, 300, 75)

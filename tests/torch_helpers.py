@@ -17,6 +17,15 @@ GPU = pytest.param("cuda", marks=[
     pytest.mark.skipif(not _rlk_core.has_cuda, reason="this build of _rlk_core has no CUDA backend")])
 
 
+def kept_z(kept, n, v, device_type):
+    """The fp32 operands' kept buffer -> z [n, v]: CUDA keeps it row-major, the CPU by blocks of 64
+    rows, each z^T [v, rows] (cpu/linear_logp_cpu.cc, kept_z)."""
+    z = kept.view(torch.float32)
+    if device_type != "cpu":
+        return z.view(n, v)
+    return torch.cat([z[r0 * v:(r0 + nr) * v].view(v, nr).T for r0 in range(0, n, 64) for nr in [min(64, n - r0)]])
+
+
 def make_inputs(seed, n, h, v, dtype="bfloat16", *, bias=False, temp="scalar", ignore_frac=0.0, real_vocab=None,
                 scale=3.0, leading=None, device="cpu"):
     """Fresh random inputs (never zeros): hidden ~ N(0, 1), weight ~ N(0, scale^2 / h)."""
