@@ -3,8 +3,9 @@
 // Layout of the work. Hidden is packed once per call into fp32 panels of kPanel rows, k-major
 // (`Ap[k][r]`), so the logits micro-kernel broadcasts one weight value and multiplies a whole
 // vector of rows. Weight tiles of kTileV vocab rows are read in their natural layout (`W[j][k]`),
-// in place where the weight already is fp32 (else converted). A logits tile is `T[j][r]` (vocab-major): every epilogue then works on vectors of
-// rows, one lane per row, so a row's bits never depend on the other rows in the call.
+// in place where the weight already is fp32 (else converted). A logits tile is `T[j][r]`
+// (vocab-major): every epilogue then works on vectors of rows, one lane per row, so a row's bits
+// never depend on the other rows in the call.
 // bf16 operands on a CPU with AVX512-BF16 take the logits from bf16 pairs instead (`dp_bf16`):
 // vdpbf16ps multiplies two k of bf16 exactly and adds both products to the fp32 accumulator, twice
 // the fp32 FMA rate, so the panels hold pairs of k (`Ap2[k/2][r]`) and the weight tile keeps its
@@ -17,7 +18,7 @@
 // Order of every reduction is fixed by shapes alone:
 //   forward   unit = (row block, chunk); tiles of the chunk from its first column, in order.
 //   backward  pass 1 (dH, dT): unit = kDhBlocks row blocks (one where there are few), each
-//                               over all tiles in vocab order; a unit's blocks share the weight's reads.
+//                               over all tiles in vocab order; the blocks share the weight's reads.
 //             pass 2 (dW, db):  unit = vocab tile, all row blocks in row order.
 // The fp32 gradient GEMMs take several tiles (dH: kDhTiles vocab tiles, dW: kDwBlocks row blocks)
 // per call, so the accumulators stay in registers over longer chains; a chain's order, and so
@@ -800,8 +801,11 @@ void outside_nucleus_dzz(const Problem& p, const BwdArgs& a, int64_t blk, const 
 
 struct BwdScratch {
   WeightTile w;
-  std::vector<float> t, kt, dh;  // pass 1, per row block of the unit (kt: the nucleus tile, with BwdArgs::keep; pass 2 too)
-  std::vector<float> dw, dt, row;  // pass 2: dW^T [h][kTileV] (dp_bf16: dW [kTileV][hp]), dlogit^T [kBlock][kTileV], a dW row [h]
+  // pass 1: t and dh per row block of the unit; kt the nucleus tile (with BwdArgs::keep; pass 2 too)
+  std::vector<float> t, kt, dh;
+  // pass 2: dW^T [h][kTileV] (dp_bf16: dW [kTileV][hp]), dlogit^T of kDwBlocks row blocks
+  // [kDwBlocks kBlock][kTileV], a dW row [h]
+  std::vector<float> dw, dt, row;
   std::vector<uint32_t> wj, dl;  // dp_bf16: the weight tile's pairs (pass 1), the dlogit tile's pairs
 };
 
@@ -1008,7 +1012,8 @@ Status backward(const Problem& p, const BwdArgs& a) {
       s.w = weight_tile(p);
       s.t.resize(size_t((pass1 ? kDhBlocks * (dp_bf16(p) ? 1 : kDhTiles) : 1) * kTileV * kBlock));
       if (a.keep) s.kt.resize(size_t(kTileV * kBlock));
-      if (pass1 && !dp_bf16(p) && p.dtype != DType::kF32) s.w.wf.resize(size_t(kDhTiles * kTileV * p.h));  // dH's converted operand
+      if (pass1 && !dp_bf16(p) && p.dtype != DType::kF32)  // dH's operand, converted
+        s.w.wf.resize(size_t(kDhTiles * kTileV * p.h));
       if (dp_bf16(p)) s.dl.resize(size_t(kTileV * kBlock / 2 * (pass1 ? 1 : kDwBlocks)));
       if (pass1) {
         s.dh.resize(size_t(kDhBlocks * kBlock * dh_stride(p)));
