@@ -482,14 +482,17 @@ struct KeptRow {
 
 bool kept_f32(const Problem& p) { return p.dtype == DType::kF32; }
 
-// The fp32 record's z of column col for the rows of the block at row r0 (contiguous, nr floats).
+// Rows of the row block that starts at row r0.
+int64_t block_rows(const Problem& p, int64_t r0) { return std::min(kBlock, p.n - r0); }
+
+// The fp32 record's z of column col for the rows of the block at row r0 (contiguous, block_rows).
 float* kept_z(const Problem& p, const void* kept, int64_t r0, int64_t col) {
-  return const_cast<float*>(static_cast<const float*>(kept)) + r0 * p.v + col * std::min(kBlock, p.n - r0);
+  return const_cast<float*>(static_cast<const float*>(kept)) + r0 * p.v + col * block_rows(p, r0);
 }
 
 // Tile T[j][r] (columns v0.., rows r0..) -> the kept buffer for j < cols: z (fp32) or q (16-bit).
 void store_kept(const Problem& p, void* kept, int64_t r0, int64_t v0, int64_t cols, const float* t) {
-  const int64_t nr = std::min(kBlock, p.n - r0);
+  const int64_t nr = block_rows(p, r0);
   if (kept_f32(p)) {
     for (int64_t j = 0; j < cols; ++j) std::copy_n(t + j * kBlock, nr, kept_z(p, kept, r0, v0 + j));
     return;
@@ -510,7 +513,7 @@ void fill_kept_padding(const Problem& p, void* kept, int64_t r0, int64_t c, int6
     if (pad0 < c1) std::fill(kept_z(p, kept, r0, pad0), kept_z(p, kept, r0, c1), -INFINITY);
     return;
   }
-  for (int64_t r = r0; r < std::min(p.n, r0 + kBlock); ++r) {
+  for (int64_t r = r0; r < r0 + block_rows(p, r0); ++r) {
     std::fill(row.q(kept, r) + pad0, row.q(kept, r) + c1 + (c1 == p.v ? p.v % 2 : 0), uint16_t(0));
     float* tmax = row.tile_max(kept, r) + c * row.tiles_per_chunk;
     std::fill(tmax + cdiv(pad0 - c0, kTileV), tmax + row.tiles_per_chunk, -INFINITY);
@@ -519,7 +522,7 @@ void fill_kept_padding(const Problem& p, void* kept, int64_t r0, int64_t c, int6
 
 // The kept buffer -> T[j][r] for j < valid (z or q); rows past n read as 0 (they get no gradient).
 void load_kept(const Problem& p, const void* kept, int64_t r0, int64_t v0, int64_t valid, float* t) {
-  const int64_t nr = std::min(kBlock, p.n - r0);
+  const int64_t nr = block_rows(p, r0);
   if (kept_f32(p)) {
     for (int64_t j = 0; j < valid; ++j) {
       std::copy_n(kept_z(p, kept, r0, v0 + j), nr, t + j * kBlock);
@@ -809,14 +812,21 @@ struct BwdScratch {
   std::vector<uint32_t> wj, dl;  // dp_bf16: the weight tile's pairs (pass 1), the dlogit tile's pairs
 };
 
+// The fp32 dH GEMM's operand, the weight's rows [v0, v0 + rows): in place (fp32) or converted
+// into s.w.wf, once for all the unit's row blocks.
+const float* dh_weight(const Problem& p, const void* weight, int64_t v0, int64_t rows, BwdScratch& s) {
+  if (p.dtype == DType::kF32) return static_cast<const float*>(weight) + v0 * p.h;
+  to_f32(p.dtype, weight, v0 * p.h, rows * p.h, s.w.wf.data());
+  return s.w.wf.data();
+}
+
 // dh[r][k] += sum_j dlogit[j][r] w[j][k], j in order: under dp_bf16 from the dlogit tile t and
 // the weight tile's pairs s.wj; else from the `rows` dlogit rows gathered in t (up to kDhTiles
-// tiles) and the weight's rows [v0, v0 + rows), read in place (fp32) or converted into s.w.wf
-// (the unit's first row block converts them, `convert`).
+// tiles) and w (dh_weight).
 // Not inlined (nor dw_tile): inside the units' loops GCC ran out of general registers and kept
 // outer_block's b pointer in a vector register, on the loads' critical path.
-__attribute__((noinline)) void dh_tile(const Problem& p, const void* weight, int64_t v0, int64_t rows, bool convert,
-                                       const float* t, float* dh, BwdScratch& s) {
+__attribute__((noinline)) void dh_tile(const Problem& p, const float* w, int64_t rows, const float* t, float* dh,
+                                       BwdScratch& s) {
 #if defined(__AVX512BF16__)
   if (dp_bf16(p)) {
     const int64_t hp = padded_h(p);
@@ -828,11 +838,6 @@ __attribute__((noinline)) void dh_tile(const Problem& p, const void* weight, int
     return;
   }
 #endif
-  const float* w = static_cast<const float*>(weight) + v0 * p.h;
-  if (p.dtype != DType::kF32) {
-    if (convert) to_f32(p.dtype, weight, v0 * p.h, rows * p.h, s.w.wf.data());
-    w = s.w.wf.data();
-  }
   outer_f32<kGradRows, kGradVecs, true>(Outer<float>{t, kBlock, 1, w, p.h, rows, dh, p.h}, kBlock, p.h, false);
 }
 
@@ -870,9 +875,8 @@ void dhidden_unit(const Problem& p, const BwdArgs& a, const Panels& ap, int64_t 
       gathered += valid;
       const bool last = v0 + valid >= real_end;
       if (dp_bf16(p) || ++tiles == kDhTiles || last) {
-        for (int64_t b = 0; b < nb; ++b)
-          dh_tile(p, a.weight, v0 + valid - gathered, gathered, b == 0, s.t.data() + b * t_size,
-                  s.dh.data() + b * dh_size, s);
+        const float* w = dp_bf16(p) ? nullptr : dh_weight(p, a.weight, v0 + valid - gathered, gathered, s);
+        for (int64_t b = 0; b < nb; ++b) dh_tile(p, w, gathered, s.t.data() + b * t_size, s.dh.data() + b * dh_size, s);
         gathered = tiles = 0;
       }
     }

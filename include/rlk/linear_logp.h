@@ -334,9 +334,9 @@ void reset_counts();
 
 namespace cpu {
 // Bytes of the CPU backend's kept buffer (FwdArgs::logits, BwdArgs::logits): z fp32 (n v floats,
-// by row block) for fp32 operands; for 16-bit operands a record per row of fp16 q = exp(z - tile max) with the
-// fp32 tile maxima, chunk moments and target logit (cpu/linear_logp_cpu.cc). Row-separable: the
-// bytes of n rows are n times those of one.
+// by row block) for fp32 operands; for 16-bit operands a record per row of fp16 q = exp(z - tile
+// max) with the fp32 tile maxima, chunk moments and target logit (cpu/linear_logp_cpu.cc).
+// Row-separable: the bytes of n rows are n times those of one.
 size_t kept_bytes(const Problem& p);
 Status forward(const Problem& p, const FwdArgs& a);
 Status combine(const CombineArgs& a);
