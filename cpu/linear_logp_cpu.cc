@@ -33,9 +33,6 @@
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
 #endif
-#if defined(__linux__)
-#include <sys/mman.h>
-#endif
 
 #include "parallel.h"
 #include "rlk/linear_logp.h"
@@ -75,19 +72,6 @@ constexpr int64_t kDhTiles = 4;   // vocab tiles per fp32 dH GEMM: up to 256 ste
 constexpr int64_t kDhBlocks = 2;  // row blocks per pass-1 unit (given enough blocks): one weight read serves them
 
 inline int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
-
-// The large outputs (the kept logits, dW, dH) are mostly fresh pages from the frontend's
-// allocator. Where transparent huge pages are opt-in (THP "madvise"), ask for them: the first
-// touch then faults once per 2 MiB instead of once per 4 KiB. A hint only (its failure changes
-// nothing but the page size); no byte of the buffer changes.
-void advise_huge_pages(void* p, size_t bytes) {
-#if defined(__linux__) && defined(MADV_HUGEPAGE)
-  constexpr uintptr_t kHuge = uintptr_t(2) << 20;
-  const uintptr_t b = (reinterpret_cast<uintptr_t>(p) + kHuge - 1) & ~(kHuge - 1);
-  const uintptr_t e = (reinterpret_cast<uintptr_t>(p) + bytes) & ~(kHuge - 1);
-  if (e > b) madvise(reinterpret_cast<void*>(b), e - b, MADV_HUGEPAGE);
-#endif
-}
 
 #if defined(__AVX512BF16__)
 constexpr bool kDpBf16 = true;
@@ -961,7 +945,6 @@ Status forward(const Problem& p, const FwdArgs& a) {
   if (p.chunk <= 0 || p.v % p.chunk != 0) return "rlk cpu forward: chunk must divide the local vocab";
   if (a.keep && !a.keep_sum) return "rlk cpu forward: a keep mask needs keep_sum";
   if (p.n == 0) return nullptr;
-  if (a.logits) advise_huge_pages(a.logits, kept_bytes(p));
   Panels ap;
   if (dp_bf16(p)) ap.pairs = pack_hidden_pairs(p, a.hidden);
   else ap.f32 = pack_hidden(p, a.hidden, kPanel);
@@ -1000,8 +983,6 @@ Status backward(const Problem& p, const BwdArgs& a) {
     if (a.dbias) std::fill(a.dbias, a.dbias + p.v, 0.f);
     return nullptr;
   }
-  advise_huge_pages(a.dweight, size_t(p.v * p.h) * dtype_bytes(p.dtype));
-  advise_huge_pages(a.dhidden, size_t(p.n * p.h) * dtype_bytes(a.dhidden_dtype));
   Panels ap;
 #if defined(__AVX512BF16__)
   if (dp_bf16(p)) ap.row_pairs = pack_hidden_row_pairs(p, a.hidden);  // dW's operand
