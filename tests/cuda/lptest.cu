@@ -67,6 +67,18 @@ __global__ void fill_uniform_f32(float* p, int64_t n, uint64_t seed, float lo, f
     p[i] = lo + (hi - lo) * (hash32(seed * 31 + i) * 2.3283064e-10f);
 }
 
+// A fingerprint of a buffer's bits (order-free sum of a mix of each 4-byte word with its index):
+// bench prints the outputs' fingerprints, so that an A/B of two builds shows whether the bits moved.
+__global__ void fingerprint_kernel(const uint32_t* p, int64_t n, unsigned long long* out) {
+  unsigned long long h = 0;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    uint64_t x = (uint64_t(i) << 32 | p[i]) * 0x9E3779B97F4A7C15ULL;
+    x ^= x >> 31; x *= 0xbf58476d1ce4e5b9ULL; x ^= x >> 29;
+    h += x;
+  }
+  atomicAdd(out, h);
+}
+
 static void dev_fill(DType dt, void* p, int64_t n, uint64_t seed, float scale, float shift = 0.f) {
   if (n == 0) return;
   switch (dt) {
@@ -106,6 +118,14 @@ struct DevBuf {
     std::vector<T> v(count); if (count) CK(cudaMemcpy(v.data(), p, count * sizeof(T), cudaMemcpyDeviceToHost)); return v;
   }
 };
+
+static unsigned long long fingerprint(const DevBuf& b) {
+  DevBuf h(8);
+  CK(cudaMemset(h.p, 0, 8));
+  fingerprint_kernel<<<1024, 256>>>(b.as<uint32_t>(), int64_t(b.bytes / 4), h.as<unsigned long long>());
+  CK(cudaGetLastError());
+  return h.get<unsigned long long>(1)[0];
+}
 
 // ---- one run of forward + combine (+ backward) ---------------------------------------------------
 struct Inputs {
@@ -428,6 +448,7 @@ static void bench_shape(const char* name, int64_t n, int64_t h, int64_t v, int r
   DevBuf dh(size_t(n) * h * 2), dw(size_t(v) * h * 2), dzz(n * 4);
   DevBuf lean_ws(cuda::backward_workspace_bytes(p, false, p.dtype)), fast_ws(cuda::backward_workspace_bytes(p, true, p.dtype));
   DevBuf kept(cuda::kept_bytes(p));
+  for (DevBuf* b : {&stats, &tl, &logp, &m, &log_s, &ent, &dh, &dw, &dzz, &kept}) CK(cudaMemset(b->p, 0, b->bytes));  // fingerprinted
   FwdArgs fa; fa.hidden = H.p; fa.weight = W.p; fa.targets = T.as<int32_t>(); fa.temperature = IT.as<float>();
   fa.stats = stats.as<float>(); fa.target_logit = tl.as<float>();
   CombineArgs ca; ca.n = n; ca.k = K; ca.real_vocab = v; ca.stats = stats.as<float>(); ca.target_logit = tl.as<float>();
@@ -456,12 +477,20 @@ static void bench_shape(const char* name, int64_t n, int64_t h, int64_t v, int r
     return median(t);
   };
   const int breps = warm == 0 ? 1 : std::max(3, reps / (n * h * double(v) > 4e12 ? 4 : 1));
-  const float mf = timed(false, 0, reps), mk = timed(true, 0, reps);
-  const float ml = timed(false, 1, breps), mfa = timed(true, 2, breps);
+  unsigned long long bits[4];  // the outputs of each timed step
+  const float mf = timed(false, 0, reps);
+  bits[0] = fingerprint(stats) + fingerprint(tl) + fingerprint(logp) + fingerprint(m) + fingerprint(log_s);
+  const float mk = timed(true, 0, reps);
+  bits[1] = fingerprint(kept);
+  const float ml = timed(false, 1, breps);
+  bits[2] = fingerprint(dh) + fingerprint(dw) + fingerprint(dzz);
+  const float mfa = timed(true, 2, breps);
+  bits[3] = fingerprint(dh) + fingerprint(dw) + fingerprint(dzz) + fingerprint(kept);
   const double flop = 2.0 * n * h * v;
   printf("BENCH %-9s n=%-6lld h=%-5lld v=%-7lld fwd[%s] %8.3f ms (%5.0f TFLOP/s) fwd+keep %8.3f  fwd+bwd lean %9.3f ms  "
          "fast %9.3f ms  ws lean %zu MB fast %zu MB kept %zu MB\n", name, (long long)n, (long long)h, (long long)v,
          backend_name_local(be), mf, flop / mf * 1e-9, mk, ml, mfa, lean_ws.bytes >> 20, fast_ws.bytes >> 20, kept.bytes >> 20);
+  printf("BENCH bits %-9s fwd %016llx keep %016llx lean %016llx fast %016llx\n", name, bits[0], bits[1], bits[2], bits[3]);
   fflush(stdout);
   cudaEventDestroy(e0); cudaEventDestroy(e1);
 }
