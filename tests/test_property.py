@@ -4,9 +4,8 @@ float64 oracle and the NaN/error contract, for rlk_xla and torch_bridge; the sam
 -m gpu. Derandomized, no example database: the same examples in every run (about a minute in all
 on two CPU cores).
 
-test_special_values_* hold the NaN/Inf/overflow contract (a row whose inputs are not finite, or
-whose statistics overflow, is NaN, never a finite wrong number); they are xfail(strict=False)
-until the NaN propagation of issue 23 items 1-2 is merged (branch numerics), then un-xfail them.
+test_special_values_* hold the NaN/Inf/overflow contract: a row whose inputs are not finite, or
+whose statistics overflow, is NaN, never a finite wrong number.
 """
 import numpy as np
 import pytest
