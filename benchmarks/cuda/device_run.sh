@@ -5,7 +5,8 @@
 #   with other versions of any of its files (e.g. cuda/linear_logp_bwd.cu, include/rlk/linear_logp.h,
 #   tests/cuda/lptest.cu: `git archive REV cuda include tests/cuda | tar -x -C ab` before the run),
 #   benched over AB_SHAPES (default T1,T2,T3), both binaries interleaved twice: machines differ by
-#   more than most changes, so only a same-machine A/B shows a few percent.
+#   more than most changes, so only a same-machine A/B shows a few percent; it ends with whether the
+#   two builds' outputs have the same bits per shape (lptest's BENCH bits fingerprints).
 set -o pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/out}; mkdir -p $OUT
@@ -41,8 +42,14 @@ for step in "$@"; do
         tar --exclude=./build --exclude=./.git -cf - . | tar -xf - -C $A-src && cp -r "$AB_DIR"/. $A-src/
         build_lptest $A-src $A
         for r in 1 2; do for bin in $B/lptest $A/lptest; do for s in $(echo ${AB_SHAPES:-T1,T2,T3} | tr , ' '); do
-          echo -n "$bin: "; timeout 60 $bin --bench --only $s | grep BENCH
-        done; done; done 2>&1 | tee $OUT/ab.log ;;
+          timeout 60 $bin --bench --only $s | grep BENCH | sed "s|^|$bin: |"
+        done; done; done 2>&1 | tee $OUT/ab.log
+        # the outputs' fingerprints (BENCH bits) of the two builds, shape by shape
+        for s in $(echo ${AB_SHAPES:-T1,T2,T3} | tr , ' '); do
+          bits() { grep "^$1/lptest: BENCH bits $s " $OUT/ab.log | sed 's/.*BENCH bits *[^ ]* //' | sort -u; }
+          if [ -z "$(bits $B)" ] || [ -z "$(bits $A)" ]; then echo "ab bits $s: not compared (a build without fingerprints)"
+          elif [ "$(bits $B)" = "$(bits $A)" ]; then echo "ab bits $s: same"; else echo "ab bits $s: DIFFER"; fi
+        done | tee -a $OUT/ab.log ;;
     gemm) python3 - <<'PY' 2>&1 | tee $OUT/gemm.log
 import torch, triton
 for name,n,h,v in [("T1",796,2048,75968),("T2",1820,2048,75968),("T3",6827,2048,75968),("T3-tp1",6827,2048,151936),("H200-pub",4096,4096,128256),("L16k",16384,4096,151936)]:
