@@ -45,10 +45,10 @@ for step in "$@"; do
           timeout 60 $bin --bench --only $s | grep BENCH | sed "s|^|$bin: |"
         done; done; done 2>&1 | tee $OUT/ab.log
         # the outputs' fingerprints (BENCH bits) of the two builds, shape by shape
+        bits() { grep "^$1/lptest: BENCH bits $2 " $OUT/ab.log | sed 's/.*BENCH bits *[^ ]* //' | sort -u; }  # build, shape
         for s in $(echo ${AB_SHAPES:-T1,T2,T3} | tr , ' '); do
-          bits() { grep "^$1/lptest: BENCH bits $s " $OUT/ab.log | sed 's/.*BENCH bits *[^ ]* //' | sort -u; }
-          if [ -z "$(bits $B)" ] || [ -z "$(bits $A)" ]; then echo "ab bits $s: not compared (a build without fingerprints)"
-          elif [ "$(bits $B)" = "$(bits $A)" ]; then echo "ab bits $s: same"; else echo "ab bits $s: DIFFER"; fi
+          if [ -z "$(bits $B $s)" ] || [ -z "$(bits $A $s)" ]; then echo "ab bits $s: not compared (a build without fingerprints)"
+          elif [ "$(bits $B $s)" = "$(bits $A $s)" ]; then echo "ab bits $s: same"; else echo "ab bits $s: DIFFER"; fi
         done | tee -a $OUT/ab.log ;;
     gemm) python3 - <<'PY' 2>&1 | tee $OUT/gemm.log
 import torch, triton

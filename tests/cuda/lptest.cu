@@ -67,9 +67,10 @@ __global__ void fill_uniform_f32(float* p, int64_t n, uint64_t seed, float lo, f
     p[i] = lo + (hi - lo) * (hash32(seed * 31 + i) * 2.3283064e-10f);
 }
 
-// A fingerprint of a buffer's bits (order-free sum of a mix of each 4-byte word with its index):
-// bench prints the outputs' fingerprints, so that an A/B of two builds shows whether the bits moved.
-__global__ void fingerprint_kernel(const uint32_t* p, int64_t n, unsigned long long* out) {
+// A fingerprint of a buffer's bits (order-free sum of a mix of each 2-byte word with its index; every
+// output is a whole number of 2-byte words): bench prints the outputs' fingerprints, so that an A/B
+// of two builds shows whether the bits moved.
+__global__ void fingerprint_kernel(const uint16_t* p, int64_t n, unsigned long long* out) {
   unsigned long long h = 0;
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
     uint64_t x = (uint64_t(i) << 32 | p[i]) * 0x9E3779B97F4A7C15ULL;
@@ -122,7 +123,7 @@ struct DevBuf {
 static unsigned long long fingerprint(const DevBuf& b) {
   DevBuf h(8);
   CK(cudaMemset(h.p, 0, 8));
-  fingerprint_kernel<<<1024, 256>>>(b.as<uint32_t>(), int64_t(b.bytes / 4), h.as<unsigned long long>());
+  fingerprint_kernel<<<1024, 256>>>(b.as<uint16_t>(), int64_t(b.bytes / 2), h.as<unsigned long long>());
   CK(cudaGetLastError());
   return h.get<unsigned long long>(1)[0];
 }
