@@ -41,12 +41,13 @@ for step in "$@"; do
         A=/tmp/rlkab; rm -rf $A-src; mkdir -p $A-src
         tar --exclude=./build --exclude=./.git -cf - . | tar -xf - -C $A-src && cp -r "$AB_DIR"/. $A-src/
         build_lptest $A-src $A
-        for r in 1 2; do for bin in $B/lptest $A/lptest; do for s in $(echo ${AB_SHAPES:-T1,T2,T3} | tr , ' '); do
+        shapes=$(echo ${AB_SHAPES:-T1,T2,T3} | tr , ' ')
+        for r in 1 2; do for bin in $B/lptest $A/lptest; do for s in $shapes; do
           timeout 60 $bin --bench --only $s | grep BENCH | sed "s|^|$bin: |"
         done; done; done 2>&1 | tee $OUT/ab.log
         # the outputs' fingerprints (BENCH bits) of the two builds, shape by shape
         bits() { grep "^$1/lptest: BENCH bits $2 " $OUT/ab.log | sed 's/.*BENCH bits *[^ ]* //' | sort -u; }  # build, shape
-        for s in $(echo ${AB_SHAPES:-T1,T2,T3} | tr , ' '); do
+        for s in $shapes; do
           if [ -z "$(bits $B $s)" ] || [ -z "$(bits $A $s)" ]; then echo "ab bits $s: not compared (a build without fingerprints)"
           elif [ "$(bits $B $s)" = "$(bits $A $s)" ]; then echo "ab bits $s: same"; else echo "ab bits $s: DIFFER"; fi
         done | tee -a $OUT/ab.log ;;

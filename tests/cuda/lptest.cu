@@ -17,6 +17,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <initializer_list>
 #include <string>
 #include <thread>
 #include <vector>
@@ -120,10 +121,12 @@ struct DevBuf {
   }
 };
 
-static unsigned long long fingerprint(const DevBuf& b) {
+// One fingerprint of several buffers (the sum of theirs).
+static unsigned long long fingerprint(std::initializer_list<const DevBuf*> bufs) {
   DevBuf h(8);
   CK(cudaMemset(h.p, 0, 8));
-  fingerprint_kernel<<<1024, 256>>>(b.as<uint16_t>(), int64_t(b.bytes / 2), h.as<unsigned long long>());
+  for (const DevBuf* b : bufs)
+    fingerprint_kernel<<<1024, 256>>>(b->as<uint16_t>(), int64_t(b->bytes / 2), h.as<unsigned long long>());
   CK(cudaGetLastError());
   return h.get<unsigned long long>(1)[0];
 }
@@ -480,13 +483,13 @@ static void bench_shape(const char* name, int64_t n, int64_t h, int64_t v, int r
   const int breps = warm == 0 ? 1 : std::max(3, reps / (n * h * double(v) > 4e12 ? 4 : 1));
   unsigned long long bits[4];  // the outputs of each timed step
   const float mf = timed(false, 0, reps);
-  bits[0] = fingerprint(stats) + fingerprint(tl) + fingerprint(logp) + fingerprint(m) + fingerprint(log_s);
+  bits[0] = fingerprint({&stats, &tl, &logp, &m, &log_s});
   const float mk = timed(true, 0, reps);
-  bits[1] = fingerprint(kept);
+  bits[1] = fingerprint({&kept});
   const float ml = timed(false, 1, breps);
-  bits[2] = fingerprint(dh) + fingerprint(dw) + fingerprint(dzz);
+  bits[2] = fingerprint({&dh, &dw, &dzz});
   const float mfa = timed(true, 2, breps);
-  bits[3] = fingerprint(dh) + fingerprint(dw) + fingerprint(dzz) + fingerprint(kept);
+  bits[3] = fingerprint({&dh, &dw, &dzz, &kept});
   const double flop = 2.0 * n * h * v;
   printf("BENCH %-9s n=%-6lld h=%-5lld v=%-7lld fwd[%s] %8.3f ms (%5.0f TFLOP/s) fwd+keep %8.3f  fwd+bwd lean %9.3f ms  "
          "fast %9.3f ms  ws lean %zu MB fast %zu MB kept %zu MB\n", name, (long long)n, (long long)h, (long long)v,
