@@ -1,12 +1,12 @@
 #!/bin/bash
 # Build the CUDA backend + its test on the device machine and run: test, sanitizers, bench.
 #   benchmarks/cuda/device_run.sh [test] [san] [bench] [gemm] [ab]   (any subset; logs under $OUT)
-# ab: this tree's kernels against another build: AB_DIR, a folder laid out like the repository
-#   with other versions of any of its files (e.g. cuda/linear_logp_bwd.cu, include/rlk/linear_logp.h,
-#   tests/cuda/lptest.cu: `git archive REV cuda include tests/cuda | tar -x -C ab` before the run),
-#   benched over AB_SHAPES (default T1,T2,T3), both binaries interleaved twice: machines differ by
-#   more than most changes, so only a same-machine A/B shows a few percent; it ends with whether the
-#   two builds' outputs have the same bits per shape (lptest's BENCH bits fingerprints).
+# ab: this tree's kernels against other builds: AB_DIR, folders (separated by ':') laid out like the
+#   repository with other versions of any of its files (e.g. cuda/linear_logp_bwd.cu,
+#   include/rlk/linear_logp.h, tests/cuda/lptest.cu: `git archive REV cuda include tests/cuda | tar
+#   -x -C ab` before the run), benched over AB_SHAPES (default T1,T2,T3), all binaries interleaved
+#   twice: machines differ by more than most changes, so only a same-machine A/B shows a few percent;
+#   it ends with whether each build's outputs have this tree's bits per shape (lptest's BENCH bits).
 set -o pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/out}; mkdir -p $OUT
@@ -37,20 +37,24 @@ for step in "$@"; do
     bench1) timeout 60 $B/lptest --bench --only T3 2>&1 | tee $OUT/bench.log ;;
     prof) timeout 200 ncu --clock-control none --metrics gpu__time_duration.sum --csv $B/lptest --profile --only ${PROF_SHAPE:-T3} > $OUT/ncu.csv 2>$OUT/ncu.err; tail -3 $OUT/ncu.err
           python3 benchmarks/cuda/ncu_summary.py $OUT/ncu.csv ;;
-    ab) [ -d "${AB_DIR:-}" ] || { echo "ab: set AB_DIR to a folder of kernel files"; exit 1; }
-        A=/tmp/rlkab; rm -rf $A-src; mkdir -p $A-src
-        tar --exclude=./build --exclude=./.git -cf - . | tar -xf - -C $A-src && cp -r "$AB_DIR"/. $A-src/
-        build_lptest $A-src $A
+    ab) [ -n "${AB_DIR:-}" ] || { echo "ab: set AB_DIR to a folder of kernel files"; exit 1; }
+        builds=$B; k=0
+        for dir in $(echo $AB_DIR | tr : ' '); do  # each a build of its own, A/B'd against this tree's
+          [ -d "$dir" ] || { echo "ab: $dir is not a folder"; exit 1; }
+          k=$((k + 1)); A=/tmp/rlkab$k; rm -rf $A-src; mkdir -p $A-src
+          tar --exclude=./build --exclude=./.git -cf - . | tar -xf - -C $A-src && cp -r "$dir"/. $A-src/
+          build_lptest $A-src $A; builds="$builds $A"; echo "ab: $A is $dir"
+        done
         shapes=$(echo ${AB_SHAPES:-T1,T2,T3} | tr , ' ')
-        for r in 1 2; do for bin in $B/lptest $A/lptest; do for s in $shapes; do
-          timeout 60 $bin --bench --only $s | grep BENCH | sed "s|^|$bin: |"
+        for r in 1 2; do for b in $builds; do for s in $shapes; do
+          timeout 60 $b/lptest --bench --only $s | grep BENCH | sed "s|^|$b/lptest: |"
         done; done; done 2>&1 | tee $OUT/ab.log
-        # the outputs' fingerprints (BENCH bits) of the two builds, shape by shape
+        # the outputs' fingerprints (BENCH bits) of each build against this tree's, shape by shape
         bits() { grep "^$1/lptest: BENCH bits $2 " $OUT/ab.log | sed 's/.*BENCH bits *[^ ]* //' | sort -u; }  # build, shape
-        for s in $shapes; do
-          if [ -z "$(bits $B $s)" ] || [ -z "$(bits $A $s)" ]; then echo "ab bits $s: not compared (a build without fingerprints)"
-          elif [ "$(bits $B $s)" = "$(bits $A $s)" ]; then echo "ab bits $s: same"; else echo "ab bits $s: DIFFER"; fi
-        done | tee -a $OUT/ab.log ;;
+        for A in ${builds#$B}; do for s in $shapes; do
+          if [ -z "$(bits $B $s)" ] || [ -z "$(bits $A $s)" ]; then echo "ab bits $A $s: not compared (a build without fingerprints)"
+          elif [ "$(bits $B $s)" = "$(bits $A $s)" ]; then echo "ab bits $A $s: same"; else echo "ab bits $A $s: DIFFER"; fi
+        done; done | tee -a $OUT/ab.log ;;
     gemm) python3 - <<'PY' 2>&1 | tee $OUT/gemm.log
 import torch, triton
 for name,n,h,v in [("T1",796,2048,75968),("T2",1820,2048,75968),("T3",6827,2048,75968),("T3-tp1",6827,2048,151936),("H200-pub",4096,4096,128256),("L16k",16384,4096,151936)]:
