@@ -37,21 +37,21 @@ for step in "$@"; do
     bench1) timeout 60 $B/lptest --bench --only T3 2>&1 | tee $OUT/bench.log ;;
     prof) timeout 200 ncu --clock-control none --metrics gpu__time_duration.sum --csv $B/lptest --profile --only ${PROF_SHAPE:-T3} > $OUT/ncu.csv 2>$OUT/ncu.err; tail -3 $OUT/ncu.err
           python3 benchmarks/cuda/ncu_summary.py $OUT/ncu.csv ;;
-    ab) [ -n "${AB_DIR:-}" ] || { echo "ab: set AB_DIR to a folder of kernel files"; exit 1; }
-        builds=$B; k=0
+    ab) [ -n "${AB_DIR:-}" ] || { echo "ab: set AB_DIR to folders of kernel files (separated by ':')"; exit 1; }
+        others=""; k=0
         for dir in $(echo $AB_DIR | tr : ' '); do  # each a build of its own, A/B'd against this tree's
           [ -d "$dir" ] || { echo "ab: $dir is not a folder"; exit 1; }
           k=$((k + 1)); A=/tmp/rlkab$k; rm -rf $A-src; mkdir -p $A-src
           tar --exclude=./build --exclude=./.git -cf - . | tar -xf - -C $A-src && cp -r "$dir"/. $A-src/
-          build_lptest $A-src $A; builds="$builds $A"; echo "ab: $A is $dir"
+          build_lptest $A-src $A; others="$others $A"; echo "ab: $A is $dir"
         done
         shapes=$(echo ${AB_SHAPES:-T1,T2,T3} | tr , ' ')
-        for r in 1 2; do for b in $builds; do for s in $shapes; do
+        for r in 1 2; do for b in $B $others; do for s in $shapes; do
           timeout 60 $b/lptest --bench --only $s | grep BENCH | sed "s|^|$b/lptest: |"
         done; done; done 2>&1 | tee $OUT/ab.log
         # the outputs' fingerprints (BENCH bits) of each build against this tree's, shape by shape
         bits() { grep "^$1/lptest: BENCH bits $2 " $OUT/ab.log | sed 's/.*BENCH bits *[^ ]* //' | sort -u; }  # build, shape
-        for A in ${builds#$B}; do for s in $shapes; do
+        for A in $others; do for s in $shapes; do
           if [ -z "$(bits $B $s)" ] || [ -z "$(bits $A $s)" ]; then echo "ab bits $A $s: not compared (a build without fingerprints)"
           elif [ "$(bits $B $s)" = "$(bits $A $s)" ]; then echo "ab bits $A $s: same"; else echo "ab bits $A $s: DIFFER"; fi
         done; done | tee -a $OUT/ab.log ;;
