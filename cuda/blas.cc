@@ -123,8 +123,9 @@ constexpr size_t kMaxCachedAlgos = 4096;  // (n varies from batch to batch: boun
 struct DeviceHandle {
   std::mutex mu;  // one handle per device, shared by threads: its algorithm cache under the lock
   Handle h = nullptr;
-  std::map<Key, Algo> algos;  // the algorithm each exact key runs (first_pick, then choose)
-  std::map<Key, Algo> tuned;  // the tuned pick, per size class (tune_class)
+  std::map<Key, Algo> algos;   // the algorithm each exact key runs (choose)
+  std::map<Key, Algo> firsts;  // first_pick's, per pick key
+  std::map<Key, Algo> tuned;   // the tuned pick, per size class (tune_class)
 };
 DeviceHandle g_handles[kMaxDevices];
 
@@ -211,10 +212,21 @@ Status first_pick(const Api& a, DeviceHandle& d, const Key& key, Objects& o, Alg
   return "rlk cuda backward: cuBLASLt has no algorithm for this GEMM";
 }
 
+// Batch rows (gemm's batch_rows: C's rows are tokens, as in the fast path's dH = dlogit W): the
+// first pick is made once for kPinnedRows rows, whatever the call's count, and every other
+// algorithm such a GEMM runs (the tuned ones) is admitted only with that pick's bits on the call's
+// own operands. No algorithm splits K, so an output element's bits do not depend on the rows
+// beside it: a token's dH is the same in a batch of 1 or of 16384. (Each row count's own first
+// pick, main's rule until 2026-12-03, took up to seven tile configurations for one H and V,
+// agreeing only as far as measured.) 1024: of 1024, 4096 and 16384, its pick was the fastest at
+// most row counts (docs/benchmarks.md §5, `lt_candidates.py --rows`): 5x faster than the row
+// count's own pick below 200 rows, within 0-8% from 1820 up, 26-31% slower at 796 (tuned there).
+constexpr int64_t kPinnedRows = 1024;
+
 // ---- the tuned pick -----------------------------------------------------------------------------
 // The heuristic's first pick can be several percent slower than one of its next candidates: for
 // the fast path's dH at L16k (16384 x 4096, k = 151936) 30.1 to 31.1 ms against 29.3 to 29.5 for
-// the second (docs/benchmarks.md §5). So a large GEMM (kTuneFlops and up) is timed
+// the second (docs/benchmarks.md §5). So a GEMM of kTuneFlops and up is timed
 // once per size class with the first kTuneCandidates no-split candidates, on the call's own
 // operands, and the fastest is kept. The bits cannot change with it: a candidate is admitted only
 // if its output has the first pick's bits (every no-split candidate measured so far does: they
@@ -224,7 +236,7 @@ Status first_pick(const Api& a, DeviceHandle& d, const Key& key, Objects& o, Alg
 // and RLK_BLAS_TUNE not "0". Costs one host synchronization and about 3 x kTuneCandidates runs of
 // the GEMM, once per class; the size class makes a batch whose token count varies from step to
 // step tune a few times, not every step.
-constexpr double kTuneFlops = 1e12;  // about 1.5 ms on an H200: tuning pays off within a few steps
+constexpr double kTuneFlops = 2e11;  // about 0.3 ms on an H200 (T1's GEMMs): tuning pays off within a few steps
 constexpr int kTuneCandidates = 4;
 constexpr int64_t kSampleRows = 256;  // output rows compared per candidate (evenly spread)
 
@@ -294,10 +306,10 @@ float time_runs(const Call& call, const Algo& algo, cudaEvent_t start, cudaEvent
 }
 
 // The fastest candidate with the first pick's bits; `first` if none is faster or anything fails.
-// C is left with the last candidate's output: gemm() then runs the one chosen. `first` comes from
-// first_pick, whose preference (make_pref) the call's Objects already hold.
-Algo tune(const Call& call, const Algo& first) {
+// C is left with the last candidate's output: gemm() then runs the one chosen.
+Algo tune(const Call& call, const Key& key, const Algo& first) {
   Heuristic h[kTuneCandidates];
+  if (make_pref(call.a, key, call.o)) return first;
   const int found = candidates(call.a, call.d, call.o, kReductionNone, kTuneCandidates, h);
   cudaEvent_t start = nullptr, stop = nullptr;
   if (cudaEventCreate(&start) != cudaSuccess || cudaEventCreate(&stop) != cudaSuccess) {
@@ -318,13 +330,24 @@ Algo tune(const Call& call, const Algo& first) {
   return best;
 }
 
-// The algorithm of an exact key, chosen once: the tuned one of its size class where tuning
-// applies, else the first pick. A key met first inside a graph capture runs the first pick there
-// and is chosen for good at its first call outside one.
-Status choose(const Call& call, const Key& key, Algo* algo) {
+// The algorithm of an exact key, chosen once: the first pick of its pick key (the key itself, or
+// for batch rows the key at kPinnedRows rows: `pick_o` describes it), or, where tuning applies,
+// the tuned one of the key's size class: a candidate admitted only with the first pick's bits on
+// its operands, so every algorithm a pick key runs gives its first pick's bits. A key met first
+// inside a graph capture runs the first pick there and is chosen for good at its first call
+// outside one.
+Status choose(const Call& call, const Key& key, const Key& pick, Objects& pick_o, Algo* algo) {
   DeviceHandle& d = call.d;
   if (auto it = d.algos.find(key); it != d.algos.end()) return *algo = it->second, nullptr;
-  if (Status s = first_pick(call.a, d, key, call.o, algo)) return s;
+  if (auto it = d.firsts.find(pick); it != d.firsts.end()) {
+    *algo = it->second;
+  } else {
+    if (Status s = first_pick(call.a, d, pick, pick_o, algo)) return s;
+    if (d.firsts.size() >= kMaxCachedAlgos) d.firsts.clear();
+    d.firsts.emplace(pick, *algo);
+  }
+  if (!call.fits(*algo))
+    return "rlk cuda backward: cuBLASLt's algorithm for every row count of this GEMM does not take this one";
   if (tuning_on() && !key.accumulate && 2.0 * double(key.m) * double(key.n) * double(key.k) >= kTuneFlops) {
     const Key cls = tune_class(key);
     if (auto it = d.tuned.find(cls); it != d.tuned.end()) {
@@ -332,11 +355,25 @@ Status choose(const Call& call, const Key& key, Algo* algo) {
     } else if (capturing(call.stream)) {
       return nullptr;  // not cached: tuned outside the capture
     } else {
-      *algo = d.tuned.emplace(cls, tune(call, *algo)).first->second;
+      *algo = d.tuned.emplace(cls, tune(call, key, *algo)).first->second;
     }
   }
   if (d.algos.size() >= kMaxCachedAlgos) d.algos.clear();
   d.algos.emplace(key, *algo);
+  return nullptr;
+}
+
+// The descriptors of a GEMM of `rows` rows of C, operands as in gemm() (A' then has `rows` rows).
+Status describe(const Api& a, const Mat& A, bool ta, const Mat& B, bool tb, DType c_dtype, int64_t ldc, int64_t rows,
+                Objects& o) {
+  const int64_t k = ta ? A.rows : A.cols, n = tb ? B.rows : B.cols;
+  const int op_x = tb ? kOpT : kOpN, op_y = ta ? kOpT : kOpN;
+  if (a.desc_create(&o.desc, kComputeF32, CUDA_R_32F) != 0 ||
+      a.desc_set(o.desc, kDescTransA, &op_x, sizeof op_x) != 0 || a.desc_set(o.desc, kDescTransB, &op_y, sizeof op_y) != 0 ||
+      a.layout_create(&o.la, cuda_type(B.dtype), tb ? k : n, tb ? n : k, B.ld) != 0 ||
+      a.layout_create(&o.lb, cuda_type(A.dtype), ta ? rows : k, ta ? k : rows, A.ld) != 0 ||
+      a.layout_create(&o.lc, cuda_type(c_dtype), n, rows, ldc) != 0)
+    return "rlk cuda backward: cuBLASLt descriptor setup failed";
   return nullptr;
 }
 
@@ -354,10 +391,11 @@ Status prepare(int device) {
 // Row-major C[m, n] = A' B' is column-major C^T[n, m] = B'^T A'^T: cuBLASLt gets (B, A) swapped,
 // each with its own transpose flag, and the row strides as leading dimensions.
 Status gemm(cudaStream_t stream, void* workspace, const Mat& A, bool ta, const Mat& B, bool tb, void* C,
-            DType c_dtype, int64_t ldc, float beta) {
+            DType c_dtype, int64_t ldc, float beta, bool batch_rows) {
   const int64_t m = ta ? A.cols : A.rows, k = ta ? A.rows : A.cols;
   const int64_t n = tb ? B.rows : B.cols;
   if ((tb ? B.cols : B.rows) != k) return "rlk cuda backward: GEMM shapes disagree";
+  if (ta && batch_rows) return "rlk cuda backward: batch rows are the rows of an untransposed A";
   if (m == 0 || n == 0) return nullptr;
   if (!fits_int(m) || !fits_int(n) || !fits_int(k) || !fits_int(A.ld) || !fits_int(B.ld) || !fits_int(ldc))
     return "rlk cuda backward: a GEMM dimension exceeds 2^31";
@@ -366,22 +404,20 @@ Status gemm(cudaStream_t stream, void* workspace, const Mat& A, bool ta, const M
   DeviceHandle* d = nullptr;
   if (Status s = handle_of(dev, &d)) return s;
   const Api& a = api();
-  // column-major operands: X = B' (n x k), Y = A' (k x m), as stored: B is (tb ? n x k : k x n)
-  const int op_x = tb ? kOpT : kOpN, op_y = ta ? kOpT : kOpN;
-  const Key key{n, m, k, B.ld, A.ld, ldc, op_x, op_y, int(cuda_type(B.dtype)), int(cuda_type(A.dtype)),
-                int(cuda_type(c_dtype)), alignment(B.ptr), alignment(A.ptr), alignment(C), beta != 0.f};
-  Objects o{a};
-  if (a.desc_create(&o.desc, kComputeF32, CUDA_R_32F) != 0 ||
-      a.desc_set(o.desc, kDescTransA, &op_x, sizeof op_x) != 0 || a.desc_set(o.desc, kDescTransB, &op_y, sizeof op_y) != 0 ||
-      a.layout_create(&o.la, cuda_type(B.dtype), tb ? k : n, tb ? n : k, B.ld) != 0 ||
-      a.layout_create(&o.lb, cuda_type(A.dtype), ta ? m : k, ta ? k : m, A.ld) != 0 ||
-      a.layout_create(&o.lc, cuda_type(c_dtype), n, m, ldc) != 0)
-    return "rlk cuda backward: cuBLASLt descriptor setup failed";
+  const Key key{n, m, k, B.ld, A.ld, ldc, tb ? kOpT : kOpN, ta ? kOpT : kOpN, int(cuda_type(B.dtype)),
+                int(cuda_type(A.dtype)), int(cuda_type(c_dtype)), alignment(B.ptr), alignment(A.ptr), alignment(C),
+                beta != 0.f};
+  Key pick = key;
+  if (batch_rows) pick.n = kPinnedRows;  // (cuBLASLt's n: C's rows)
+  Objects o{a}, pick_o{a};
+  if (Status s = describe(a, A, ta, B, tb, c_dtype, ldc, m, o)) return s;
+  if (batch_rows)
+    if (Status s = describe(a, A, ta, B, tb, c_dtype, ldc, kPinnedRows, pick_o)) return s;
   void* ws = reinterpret_cast<void*>((reinterpret_cast<uintptr_t>(workspace) + 255) & ~uintptr_t(255));
   std::lock_guard<std::mutex> lock(d->mu);
   const Call call{a, *d, o, B.ptr, A.ptr, C, m, n, ldc, int64_t(dtype_bytes(c_dtype)), beta, ws, stream};
   Algo algo;
-  if (Status s = choose(call, key, &algo)) return s;
+  if (Status s = choose(call, key, pick, batch_rows ? pick_o : o, &algo)) return s;
   return call.run(algo) == 0 ? nullptr : "rlk cuda backward: cublasLtMatmul failed";
 }
 

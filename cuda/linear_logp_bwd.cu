@@ -319,8 +319,9 @@ Status backward_fast(const Problem& p, const BwdArgs& a, Workspace ws, cudaStrea
     if (Status s = launch_colsum<T>(kr.z, p.v, p.n, p.v, a.dbias, false, st)) return s;
   const blas::Mat D{kr.z, p.dtype, p.n, p.v, p.v};
   const blas::Mat W{a.weight, p.dtype, p.v, p.h, p.h}, H{a.hidden, p.dtype, p.n, p.h, p.h};
-  if (Status s = blas::gemm(st, ws.ptr, D, false, W, false, a.dhidden, a.dhidden_dtype, p.h, 0.f)) return s;
-  return blas::gemm(st, ws.ptr, D, true, H, false, a.dweight, p.dtype, p.h, 0.f);
+  if (Status s = blas::gemm(st, ws.ptr, D, false, W, false, a.dhidden, a.dhidden_dtype, p.h, 0.f, /*batch_rows=*/true))
+    return s;
+  return blas::gemm(st, ws.ptr, D, true, H, false, a.dweight, p.dtype, p.h, 0.f, /*batch_rows=*/false);
 }
 
 // ---- lean ---------------------------------------------------------------------------------------
@@ -381,7 +382,7 @@ Status lean_tile(const Problem& p, const BwdArgs& a, const LeanLayout& L, const 
     const blas::Mat Wp{static_cast<const unsigned char*>(a.weight) + pc.c * p.h * eb, p.dtype, pc.cols, p.h, p.h};
     const blas::Mat Hp{static_cast<const unsigned char*>(a.hidden) + r0 * p.h * eb, p.dtype, rn, p.h, p.h};
     // z[rn, cols] = H[pass] W[piece]^T   (fp32; bias and 1/T are applied by dlogit_kernel)
-    if (Status s = blas::gemm(st, ws, Hp, false, Wp, true, t.z, DType::kF32, pc.w, 0.f)) return s;
+    if (Status s = blas::gemm(st, ws, Hp, false, Wp, true, t.z, DType::kF32, pc.w, 0.f, /*batch_rows=*/false)) return s;
     DlogitParams q = row_params(p, a, r0);
     q.z = t.z; q.ldz = pc.w;
     q.dlog = t.dlog; q.ldd = pc.w;
@@ -409,7 +410,8 @@ Status dh_accumulate(const Problem& p, const BwdArgs& a, const LeanLayout& L, co
   auto rows = [&](int64_t lo, int64_t hi, float* acc, int64_t first) -> Status {
     if (hi <= lo) return nullptr;
     const blas::Mat Dr{static_cast<const unsigned char*>(D.ptr) + (lo - r0) * D.ld * eb, D.dtype, hi - lo, D.cols, D.ld};
-    return blas::gemm(st, ws, Dr, false, Wp, false, acc + (lo - first) * p.h, DType::kF32, p.h, beta);
+    return blas::gemm(st, ws, Dr, false, Wp, false, acc + (lo - first) * p.h, DType::kF32, p.h, beta,
+                      /*batch_rows=*/false);  // (its pieces follow n: lean's dH is not batch invariant)
   };
   const int64_t lo = std::max(r0, sw.r0), hi = std::min(r0 + rn, sw.r1);
   if (hi <= lo) return nullptr;  // a pass of the first sweep past its dH rows
@@ -480,8 +482,10 @@ Status lean_sweep(const Problem& p, const BwdArgs& a, const LeanLayout& first, c
       if (Status e = dh_accumulate(p, a, L, sw, base, cublas_ws, D, Wp, r0, rn, pc.c > 0 ? 1.f : 0.f, st)) return e;
       if (!full) continue;
       // dW[piece] (+)= dlogit^T H[pass]: straight to dtype with one pass, else through fp32
-      if (npass == 1) return blas::gemm(st, cublas_ws, D, true, Hp, false, dwp, p.dtype, p.h, 0.f);
-      if (Status e = blas::gemm(st, cublas_ws, D, true, Hp, false, dwacc, DType::kF32, p.h, pass > 0 ? 1.f : 0.f))
+      if (npass == 1)
+        return blas::gemm(st, cublas_ws, D, true, Hp, false, dwp, p.dtype, p.h, 0.f, /*batch_rows=*/false);
+      if (Status e = blas::gemm(st, cublas_ws, D, true, Hp, false, dwacc, DType::kF32, p.h, pass > 0 ? 1.f : 0.f,
+                                /*batch_rows=*/false))
         return e;
     }
     if (!full) return nullptr;

@@ -72,17 +72,36 @@ def test_bitwise_deterministic_and_batch_invariant_cuda(backward):
             assert torch.equal(part[i], first[i][rows]), (rows, i)
 
 
-@pytest.mark.xfail(strict=False, reason="dH and dT come from cuBLAS GEMMs whose algorithm may depend on the row count"
-                   " (the no-split algorithms measured so far sum k in one order: it holds on the H200, unpromised)")
-@pytest.mark.parametrize("backward", ["lean", "fast"])
-def test_gradient_batch_invariance_cuda(backward):
-    d, kw, g, e = make_inputs(3, 600, 256, 4000, "bfloat16", bias=True, temp="array", ignore_frac=0.1, device=CUDA)
+def _rows_match(d, kw, g, e, backward, row_sets, grads=(2, 5)):
+    """The gradients (by _fwd_grads index) of each set of rows alone have the bits of the same rows
+    of the whole batch."""
     first = _fwd_grads(d, kw, g, e, backward)
-    for rows in (slice(5, 68), slice(0, 1), slice(500, 600)):
+    for rows in row_sets:
         part = _fwd_grads(dict(d, hidden=d["hidden"][rows], targets=d["targets"][rows]),
                           dict(kw, temperature=kw["temperature"][rows]), g[rows], e[rows], backward)
-        for i in (2, 5):  # dH, dT
+        for i in grads:
             assert torch.equal(part[i], first[i][rows]), (rows, i)
+
+
+LEAN_DH_UNPROMISED = pytest.param("lean", marks=pytest.mark.xfail(
+    strict=False, reason="lean's dH is not promised batch invariant: its vocabulary pieces and its GEMMs' algorithms"
+    " follow the row count (docs/design.md §4); at this size one piece, and the H200's picks agree"))
+
+
+@pytest.mark.parametrize("backward", [LEAN_DH_UNPROMISED, "fast"])
+def test_gradient_batch_invariance_cuda(backward):
+    """dH and dT of a row do not depend on the rows beside it: fast's dH algorithm is cuBLASLt's pick
+    for a fixed row count, or one checked to give its bits (cuda/blas.h, batch_rows)."""
+    d, kw, g, e = make_inputs(3, 600, 256, 4000, "bfloat16", bias=True, temp="array", ignore_frac=0.1, device=CUDA)
+    _rows_match(d, kw, g, e, backward, (slice(5, 68), slice(0, 1), slice(500, 600)))
+
+
+def test_fast_dh_batch_invariance_at_t1_scale_cuda():
+    """At T1's H and V, the row counts 1, 127, 796 and 1820 are where cuBLASLt's own first picks
+    differ (three tile configurations, docs/benchmarks.md §5): dH still keeps its bits. (lean: its
+    vocabulary pieces widen as rows go, and dH sums over them in fp32, so it is not promised.)"""
+    d, kw, g, e = make_inputs(11, 1820, 2048, 75968, "bfloat16", temp="array", device=CUDA)
+    _rows_match(d, kw, g, e, "fast", (slice(0, 1), slice(1000, 1127), slice(3, 799)))
 
 
 def test_cuda_agrees_with_the_cpu_kernels():

@@ -1,6 +1,6 @@
 """cuBLASLt's candidate algorithms for the backward's GEMMs, each timed and named.
 
-    python benchmarks/cuda/lt_candidates.py [--count 12] [--out FILE.md] [--l16k]
+    python benchmarks/cuda/lt_candidates.py [--count 12] [--out FILE.md] [--l16k | --rows]
 
 For each GEMM of the backward that matters to the split-K question (docs/benchmarks.md §5)
 it asks cuBLASLt's heuristic for up to --count algorithms twice, with reduction scheme NONE only
@@ -9,6 +9,11 @@ reduction scheme, stages), the heuristic's waves, the kernel's name (torch.profi
 time (triton's do_bench), and whether its output has the same bits as the first candidate's
 (the one cuda/blas.cc runs: same summation order). Row-major C[m, n] (+)= A[m, k] @ B[k, n] is called
 as cuBLASLt's column-major C^T = B^T A^T, as cuda/blas.cc does. Needs a GPU, torch and cuBLASLt.
+
+--rows: the fast path's dH at several row counts, run with cuBLASLt's first no-split pick for that
+row count and with the first pick for a fixed reference row count (one algorithm for every row
+count, what makes dH batch invariant: cuda/blas.h), timed, and whether the pinned algorithm's rows
+have the bits of the same rows of a full-size run.
 """
 from __future__ import annotations
 
@@ -61,11 +66,11 @@ def check(status, what):
 
 
 class Gemm:
-    def __init__(self, lt, handle, m, n, k, out_dtype, layout=""):
+    def __init__(self, lt, handle, m, n, k, out_dtype, layout="", a=None, b=None):
         self.lt, self.handle = lt, handle
         ta, tb = "A^T" in layout, "B^T" in layout
-        self.a = torch.randn(*((k, m) if ta else (m, k)), device="cuda", dtype=torch.bfloat16)
-        self.b = torch.randn(*((n, k) if tb else (k, n)), device="cuda", dtype=torch.bfloat16)
+        self.a = torch.randn(*((k, m) if ta else (m, k)), device="cuda", dtype=torch.bfloat16) if a is None else a
+        self.b = torch.randn(*((n, k) if tb else (k, n)), device="cuda", dtype=torch.bfloat16) if b is None else b
         self.c = torch.zeros(m, n, device="cuda", dtype=out_dtype)
         self.ws = torch.empty(WS_BYTES, device="cuda", dtype=torch.uint8)
         self.desc, self.lx, self.ly, self.lc = (ctypes.c_void_p() for _ in range(4))
@@ -119,6 +124,11 @@ class Gemm:
         self.run(h, beta)
         return "-" if first is None else "yes" if torch.equal(self.c, first) else "no"
 
+    def fits(self, h):
+        out = Heuristic()
+        return self.lt.cublasLtMatmulAlgoCheck(self.handle, self.desc, self.lx, self.ly, self.lc, self.lc,
+                                               ctypes.byref(h.algo), ctypes.byref(out)) == 0
+
     def time_ms(self, h, beta):
         return do_bench(lambda: self.run(h, beta), warmup=10, rep=50, return_mode="median")
 
@@ -130,17 +140,57 @@ class Gemm:
         return " + ".join(names)[:90] or "?"
 
 
+# --rows: (name, h, v), the row counts, and the reference row counts whose first pick is pinned
+ROWS_SHAPES = [("T1", 2048, 75968), ("H200-pub", 4096, 128256), ("L16k", 4096, 151936)]
+ROWS = (1, 127, 796, 1820, 4096, 6827, 16384)
+REF_ROWS = (1024, 4096, 16384)
+
+
+def rows_table(lt, handle):
+    """dH = D[n, v] W[v, h] (bf16 out) per row count: the per-count first pick against pinned ones."""
+    lines = ["| shape | rows | own pick: tile, ms | " + " | ".join(f"pinned at {r}: tile, ms, bits" for r in REF_ROWS)
+             + " |", "|---" * (3 + len(REF_ROWS)) + "|"]
+    for name, h, v in ROWS_SHAPES:
+        d = torch.randn(max(ROWS), v, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(v, h, device="cuda", dtype=torch.bfloat16)
+        full = Gemm(lt, handle, max(ROWS), h, v, torch.bfloat16, a=d, b=w)
+        pinned = [Gemm(lt, handle, r, h, v, torch.bfloat16, a=d[:r], b=w).candidates(0, 1)[0] for r in REF_ROWS]
+        full_out = []
+        for h_ in pinned:
+            full.run(h_, 0.0)
+            full_out.append(full.c.clone())
+        for n in ROWS:
+            g = Gemm(lt, handle, n, h, v, torch.bfloat16, a=d[:n], b=w)
+            own = g.candidates(0, 1)[0]
+            row = f"| {name} | {n} | {g.config(own)[0]}, {g.time_ms(own, 0.0):.3f} |"
+            for h_, ref in zip(pinned, full_out):
+                if not g.fits(h_):
+                    row += " does not fit |"
+                    continue
+                g.run(h_, 0.0)
+                same = "same" if torch.equal(g.c, ref[:n]) else "DIFFER"
+                row += f" {g.config(h_)[0]}, {g.time_ms(h_, 0.0):.3f}, {same} |"
+            lines.append(row)
+            print(row, flush=True)
+        del d, w, full, full_out
+        torch.cuda.empty_cache()
+    return lines
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--count", type=int, default=12)
     ap.add_argument("--out", default=None)
     ap.add_argument("--l16k", action="store_true", help="the fast path's GEMMs at L16k instead (mask NONE only)")
+    ap.add_argument("--rows", action="store_true", help="dH with one algorithm for every row count (see above)")
     args = ap.parse_args()
     lt = load_lt()
     handle = ctypes.c_void_p()
     check(lt.cublasLtCreate(ctypes.byref(handle)), "create")
     lines = [f"# cuBLASLt candidates ({torch.cuda.get_device_name()}, torch {torch.__version__})", ""]
-    for name, m, n, k, dt, beta, *layout in (L16K if args.l16k else GEMMS):
+    if args.rows:
+        lines += rows_table(lt, handle)
+    for name, m, n, k, dt, beta, *layout in [] if args.rows else L16K if args.l16k else GEMMS:
         g = Gemm(lt, handle, m, n, k, dt, *layout)
         flop = 2.0 * m * n * k
         lines += [f"## {name}: C[{m}, {n}] {str(dt)[6:]} (+)= A[{m}, {k}] B[{k}, {n}], beta {beta}", "",
