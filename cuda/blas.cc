@@ -219,8 +219,9 @@ Status first_pick(const Api& a, DeviceHandle& d, const Key& key, Objects& o, Alg
 // beside it: a token's dH is the same in a batch of 1 or of 16384. (Each row count's own first
 // pick, main's rule until 2026-12-03, took up to seven tile configurations for one H and V,
 // agreeing only as far as measured.) 1024: of 1024, 4096 and 16384, its pick was the fastest at
-// most row counts (docs/benchmarks.md §5, `lt_candidates.py --rows`): 5x faster than the row
-// count's own pick below 200 rows, within 0-8% from 1820 up, 26-31% slower at 796 (tuned there).
+// most row counts (docs/benchmarks.md §5, `lt_candidates.py --rows`); against each row count's
+// own pick, 2-5x faster at 127 rows, 10-31% slower at 796 and 1820 (tuned there, kTuneFlops),
+// within 8% from 4096 up.
 constexpr int64_t kPinnedRows = 1024;
 
 // ---- the tuned pick -----------------------------------------------------------------------------
