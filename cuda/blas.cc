@@ -332,18 +332,22 @@ Algo tune(const Call& call, const Key& key, const Algo& first) {
 }
 
 // The algorithm of an exact key, chosen once: the first pick of its pick key (the key itself, or
-// for batch rows the key at kPinnedRows rows: `pick_o` describes it), or, where tuning applies,
-// the tuned one of the key's size class: a candidate admitted only with the first pick's bits on
-// its operands, so every algorithm a pick key runs gives its first pick's bits. A key met first
-// inside a graph capture runs the first pick there and is chosen for good at its first call
-// outside one.
-Status choose(const Call& call, const Key& key, const Key& pick, Objects& pick_o, Algo* algo) {
+// for batch rows the key at kPinnedRows rows, whose descriptors describe_pick(Objects&) makes,
+// only when that pick is not cached yet), or, where tuning applies, the tuned one of the key's
+// size class: a candidate admitted only with the first pick's bits on its operands, so every
+// algorithm a pick key runs gives its first pick's bits. A key met first inside a graph capture
+// runs the first pick there and is chosen for good at its first call outside one.
+template <class DescribePick>
+Status choose(const Call& call, const Key& key, const Key& pick, DescribePick&& describe_pick, Algo* algo) {
   DeviceHandle& d = call.d;
   if (auto it = d.algos.find(key); it != d.algos.end()) return *algo = it->second, nullptr;
   if (auto it = d.firsts.find(pick); it != d.firsts.end()) {
     *algo = it->second;
   } else {
-    if (Status s = first_pick(call.a, d, pick, pick_o, algo)) return s;
+    Objects pick_o{call.a};
+    if (pick.n != key.n)  // (pick differs from key in C's rows alone)
+      if (Status s = describe_pick(pick_o)) return s;
+    if (Status s = first_pick(call.a, d, pick, pick.n != key.n ? pick_o : call.o, algo)) return s;
     if (d.firsts.size() >= kMaxCachedAlgos) d.firsts.clear();
     d.firsts.emplace(pick, *algo);
   }
@@ -410,15 +414,14 @@ Status gemm(cudaStream_t stream, void* workspace, const Mat& A, bool ta, const M
                 beta != 0.f};
   Key pick = key;
   if (batch_rows) pick.n = kPinnedRows;  // (cuBLASLt's n: C's rows)
-  Objects o{a}, pick_o{a};
+  Objects o{a};
   if (Status s = describe(a, A, ta, B, tb, c_dtype, ldc, m, o)) return s;
-  if (batch_rows)
-    if (Status s = describe(a, A, ta, B, tb, c_dtype, ldc, kPinnedRows, pick_o)) return s;
+  auto describe_pick = [&](Objects& po) { return describe(a, A, ta, B, tb, c_dtype, ldc, kPinnedRows, po); };
   void* ws = reinterpret_cast<void*>((reinterpret_cast<uintptr_t>(workspace) + 255) & ~uintptr_t(255));
   std::lock_guard<std::mutex> lock(d->mu);
   const Call call{a, *d, o, B.ptr, A.ptr, C, m, n, ldc, int64_t(dtype_bytes(c_dtype)), beta, ws, stream};
   Algo algo;
-  if (Status s = choose(call, key, pick, batch_rows ? pick_o : o, &algo)) return s;
+  if (Status s = choose(call, key, pick, describe_pick, &algo)) return s;
   return call.run(algo) == 0 ? nullptr : "rlk cuda backward: cublasLtMatmul failed";
 }
 
