@@ -59,7 +59,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int KB = P.kblocks;
 
   const int wg = threadIdx.x / 128;
-  if (threadIdx.x == 0) init_barriers(pl);
+  if (threadIdx.x == 0) init_barriers(pl, unit_of(blockIdx.x, P), P.rows);
   __syncthreads();
 
   if (wg == 0) {
@@ -73,6 +73,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
     float d[128];
     const Unit u = unit_of(blockIdx.x, P);
+    if (idle_warpgroup(u, cw, P.rows)) return;
     const int64_t row0 = u.r0 + cw * 64, rowA = row0 + warp * 16 + lane / 4, rowB = rowA + 8;
     const uint32_t buf = staging + cw * 2 * kBoxBytes;
     const float itA = (rowA < P.rows ? reciprocal(P.temperature[rowA]) : 1.f) * kLog2e;

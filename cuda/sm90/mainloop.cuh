@@ -4,8 +4,9 @@
 // 64 rows and issues wgmma m64n256k16 (fp32 accumulators in registers) and frees a stage on its
 // "empty" mbarrier once the wgmma that read it has retired (wait_group 1 keeps one batch in flight).
 // setmaxnreg moves registers from the producer to the consumers (the kernel's entry).
-// No branch may sit around the wgmma issue (e.g. skipping a warpgroup whose rows lie past n):
-// ptxas then serialises every wgmma (C7518), measured 15% slower.
+// No branch may sit around the wgmma issue: ptxas then serialises every wgmma (C7518), measured 15%
+// slower. A warpgroup with no real row skips its whole unit instead (idle_warpgroup), by returning
+// before its mainloop.
 #pragma once
 
 #include <cuda.h>
@@ -35,11 +36,17 @@ struct Pipeline {
   __device__ __forceinline__ uint32_t empty(int s) const { return bar_empty + 8 * s; }
 };
 
+// A consumer warpgroup whose 64 rows all lie past the last real row (the second half of a last
+// row tile of at most 64 rows) sits the unit out: the other one then has the tensor cores to
+// itself, and "empty" counts only the busy warps' arrivals.
+__device__ __forceinline__ bool idle_warpgroup(const Unit& u, int cw, int64_t rows) { return u.r0 + cw * 64 >= rows; }
+
 // One thread, before the CTA's __syncthreads.
-__device__ __forceinline__ void init_barriers(const Pipeline& pl) {
+__device__ __forceinline__ void init_barriers(const Pipeline& pl, const Unit& u, int64_t rows) {
+  const int busy_warps = idle_warpgroup(u, 1, rows) ? kConsumerWarps / 2 : kConsumerWarps;
   for (int s = 0; s < kStages; ++s) {
     mbar_init(pl.full(s), 1);
-    mbar_init(pl.empty(s), kConsumerWarps);
+    mbar_init(pl.empty(s), busy_warps);
   }
   fence_mbar_init();
 }
