@@ -70,6 +70,10 @@ static_assert(kPanel % (kLogitVecs * kLanes) == 0 && kTileV % (kDwVecs * kLanes)
 constexpr int64_t kDwBlocks = 4;  // row blocks per dW GEMM: 256 steps per accumulator load (128 pairs)
 constexpr int64_t kDhTiles = 4;   // vocab tiles per fp32 dH GEMM: up to 256 steps per accumulator load
 constexpr int64_t kDhBlocks = 2;  // row blocks per pass-1 unit (given enough blocks): one weight read serves them
+// The fp32 logits and dH GEMMs run their steps in blocks of this many, the accumulators going
+// through c in between (each element the same chain, the same bits), so that a block's slice of
+// the operand every register block reads (the hidden panel; the dlogit rows) stays in L1.
+constexpr int64_t kStepBlock = 128;
 
 inline int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
@@ -260,7 +264,10 @@ void outer_f32(const Outer<float>& o, int64_t m, int64_t cols, bool zero_c) {
 // element, k in order: every logit of the library is computed by this function (or, dp_bf16, by
 // the pair version below).
 inline void logits_panel(const float* wf, const float* ap, int64_t h, float* t, int64_t ldt) {
-  outer_grid<kGroupV, kLogitVecs>(Outer<float>{wf, 1, h, ap, kPanel, h, t, ldt}, kTileV, kPanel / kLanes, true);
+  for (int64_t k0 = 0; k0 < h; k0 += kStepBlock)
+    outer_grid<kGroupV, kLogitVecs>(
+        Outer<float>{wf + k0, 1, h, ap + k0 * kPanel, kPanel, std::min(kStepBlock, h - k0), t, ldt}, kTileV,
+        kPanel / kLanes, k0 == 0);
 }
 
 #if defined(__AVX512BF16__)
@@ -822,7 +829,10 @@ __attribute__((noinline)) void dh_tile(const Problem& p, const float* w, int64_t
     return;
   }
 #endif
-  outer_f32<kGradRows, kGradVecs, true>(Outer<float>{t, kBlock, 1, w, p.h, rows, dh, p.h}, kBlock, p.h, false);
+  for (int64_t k0 = 0; k0 < rows; k0 += kStepBlock)
+    outer_f32<kGradRows, kGradVecs, true>(
+        Outer<float>{t + k0 * kBlock, kBlock, 1, w + k0 * p.h, p.h, std::min(kStepBlock, rows - k0), dh, p.h}, kBlock, p.h,
+        false);
 }
 
 // Pass 1: dH and dT of row blocks [blk0, blk0 + nb), each over the whole local vocab in order.
