@@ -70,9 +70,8 @@ static_assert(kPanel % (kLogitVecs * kLanes) == 0 && kTileV % (kDwVecs * kLanes)
 constexpr int64_t kDwBlocks = 4;  // row blocks per dW GEMM: 256 steps per accumulator load (128 pairs)
 constexpr int64_t kDhTiles = 4;   // vocab tiles per fp32 dH GEMM: up to 256 steps per accumulator load
 constexpr int64_t kDhBlocks = 2;  // row blocks per pass-1 unit (given enough blocks): one weight read serves them
-// The fp32 logits and dH GEMMs run their steps in blocks of this many, the accumulators going
-// through c in between (each element the same chain, the same bits), so that a block's slice of
-// the operand every register block reads (the hidden panel; the dlogit rows) stays in L1.
+// Steps per block of the fp32 logits and dH GEMMs (by_step_blocks): the hidden panel's and the
+// dlogit rows' slices stay in L1.
 constexpr int64_t kStepBlock = 128;
 
 inline int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
@@ -172,7 +171,17 @@ struct Outer {
   int64_t ci;
   Outer rows_from(int64_t i) const { return {a + i * ai, as, ai, b, bs, steps, c + i * ci, ci}; }
   Outer cols_from(int64_t x) const { return {a, as, ai, b + x, bs, steps, c + x, ci}; }
+  Outer steps_from(int64_t s0, int64_t count) const { return {a + s0 * as, as, ai, b + s0 * bs, bs, count, c, ci}; }
 };
+
+// gemm(o', zero_c') for o's steps in blocks of kStepBlock, in order: the accumulators go through c
+// between blocks (each element the same chain, the same bits), and a block's slice of the operand
+// every register block reads stays in L1.
+template <class E, class Gemm>
+void by_step_blocks(const Outer<E>& o, bool zero_c, Gemm&& gemm) {
+  for (int64_t s0 = 0; s0 < o.steps; s0 += kStepBlock)
+    gemm(o.steps_from(s0, std::min(kStepBlock, o.steps - s0)), zero_c && s0 == 0);
+}
 
 // One step of an accumulator chain: acc + a b.
 inline fvec mac(fvec a, fvec b, fvec acc, float) { return vfma(a, b, acc); }
@@ -264,10 +273,9 @@ void outer_f32(const Outer<float>& o, int64_t m, int64_t cols, bool zero_c) {
 // element, k in order: every logit of the library is computed by this function (or, dp_bf16, by
 // the pair version below).
 inline void logits_panel(const float* wf, const float* ap, int64_t h, float* t, int64_t ldt) {
-  for (int64_t k0 = 0; k0 < h; k0 += kStepBlock)
-    outer_grid<kGroupV, kLogitVecs>(
-        Outer<float>{wf + k0, 1, h, ap + k0 * kPanel, kPanel, std::min(kStepBlock, h - k0), t, ldt}, kTileV,
-        kPanel / kLanes, k0 == 0);
+  by_step_blocks(Outer<float>{wf, 1, h, ap, kPanel, h, t, ldt}, true, [](const Outer<float>& o, bool zero_c) {
+    outer_grid<kGroupV, kLogitVecs>(o, kTileV, kPanel / kLanes, zero_c);
+  });
 }
 
 #if defined(__AVX512BF16__)
@@ -829,10 +837,9 @@ __attribute__((noinline)) void dh_tile(const Problem& p, const float* w, int64_t
     return;
   }
 #endif
-  for (int64_t k0 = 0; k0 < rows; k0 += kStepBlock)
-    outer_f32<kGradRows, kGradVecs, true>(
-        Outer<float>{t + k0 * kBlock, kBlock, 1, w + k0 * p.h, p.h, std::min(kStepBlock, rows - k0), dh, p.h}, kBlock, p.h,
-        false);
+  by_step_blocks(Outer<float>{t, kBlock, 1, w, p.h, rows, dh, p.h}, false, [&](const Outer<float>& o, bool zero_c) {
+    outer_f32<kGradRows, kGradVecs, true>(o, kBlock, p.h, zero_c);
+  });
 }
 
 // Pass 1: dH and dT of row blocks [blk0, blk0 + nb), each over the whole local vocab in order.

@@ -217,8 +217,8 @@ Status first_pick(const Api& a, DeviceHandle& d, const Key& key, Objects& o, Alg
 // algorithm such a GEMM runs (the tuned ones) is admitted only with that pick's bits on the call's
 // own operands. No algorithm splits K, so an output element's bits do not depend on the rows
 // beside it: a token's dH is the same in a batch of 1 or of 16384. (Each row count's own first
-// pick, main's rule until 2026-12-03, took up to seven tile configurations for one H and V,
-// agreeing only as far as measured.) 1024: of 1024, 4096 and 16384, its pick was the fastest at
+// pick would do so only as far as measured: at one H and V they span up to seven tile
+// configurations.) 1024: of 1024, 4096 and 16384, its pick was the fastest at
 // most row counts (docs/benchmarks.md §5, `lt_candidates.py --rows`); against each row count's
 // own pick, 2-5x faster at 127 rows, 10-31% slower at 796 and 1820 (tuned there, kTuneFlops),
 // within 8% from 4096 up.
@@ -344,10 +344,11 @@ Status choose(const Call& call, const Key& key, const Key& pick, DescribePick&& 
   if (auto it = d.firsts.find(pick); it != d.firsts.end()) {
     *algo = it->second;
   } else {
+    const bool pinned = pick.n != key.n;  // (pick differs from key in C's rows alone)
     Objects pick_o{call.a};
-    if (pick.n != key.n)  // (pick differs from key in C's rows alone)
+    if (pinned)
       if (Status s = describe_pick(pick_o)) return s;
-    if (Status s = first_pick(call.a, d, pick, pick.n != key.n ? pick_o : call.o, algo)) return s;
+    if (Status s = first_pick(call.a, d, pick, pinned ? pick_o : call.o, algo)) return s;
     if (d.firsts.size() >= kMaxCachedAlgos) d.firsts.clear();
     d.firsts.emplace(pick, *algo);
   }
