@@ -208,8 +208,30 @@ __global__ void finalize_kernel(const float* __restrict__ part, const float* __r
   }
 }
 
-// z_t per row by one warp: fixed-order dot product (lane-strided, then a butterfly). With a kept
-// head (16-bit operands), also z_t and the head's zero padding there.
+// Eight consecutive elements of a row into fp32 registers: one or two 16-byte loads where `vec`,
+// else element by element (zeros past h).
+constexpr int kDotPiece = 8;
+template <typename T>
+__device__ __forceinline__ void load_piece(const T* r, int64_t k0, int64_t h, bool vec, float (&x)[kDotPiece]) {
+  if (vec && k0 + kDotPiece <= h) {
+    const uint4* p = reinterpret_cast<const uint4*>(r + k0);
+#pragma unroll
+    for (int u = 0; u < int(sizeof(T)) * kDotPiece / 16; ++u) {
+      const uint4 w = p[u];
+      const T* e = reinterpret_cast<const T*>(&w);
+#pragma unroll
+      for (int q = 0; q < 16 / int(sizeof(T)); ++q) x[u * (16 / int(sizeof(T))) + q] = to_f(e[q]);
+    }
+    return;
+  }
+#pragma unroll
+  for (int q = 0; q < kDotPiece; ++q) x[q] = k0 + q < h ? to_f(r[k0 + q]) : 0.f;
+}
+
+// z_t per row by one warp: a fixed-order dot product. Lane l sums the pieces of kDotPiece elements
+// l, l + 32, l + 64, ... (in order within a piece), then a butterfly: an order set by h alone, the
+// same whether a piece comes by 16-byte loads (both rows 16-byte aligned) or element by element.
+// With a kept head (16-bit operands), also z_t and the head's zero padding there.
 template <typename T>
 __global__ void target_logit_kernel(const T* __restrict__ hidden, const T* __restrict__ weight,
                                     const float* __restrict__ bias, const int32_t* __restrict__ targets,
@@ -229,8 +251,15 @@ __global__ void target_logit_kernel(const T* __restrict__ hidden, const T* __res
   } else if (mine) {
     const T* hr = hidden + row * h;
     const T* wr = weight + loc * h;
+    const bool vec = ((reinterpret_cast<uintptr_t>(hr) | reinterpret_cast<uintptr_t>(wr)) & 15) == 0;
     float acc = 0.f;
-    for (int64_t k = lane; k < h; k += 32) acc = fmaf(to_f(hr[k]), to_f(wr[k]), acc);
+    for (int64_t k0 = int64_t(lane) * kDotPiece; k0 < h; k0 += 32 * kDotPiece) {
+      float x[kDotPiece], y[kDotPiece];
+      load_piece(hr, k0, h, vec, x);
+      load_piece(wr, k0, h, vec, y);
+#pragma unroll
+      for (int q = 0; q < kDotPiece; ++q) acc = fmaf(x[q], y[q], acc);
+    }
     acc = warp_sum(acc);
     zt = (acc + (bias ? bias[loc] : 0.f)) * reciprocal(temperature[row]);
   }

@@ -93,7 +93,12 @@ class IdRule:
     A row whose id equals ignore_index (compared in the ids' dtype; no id equals an ignore_index
     the dtype cannot hold) becomes `ignore`; an id outside [0, INT32_MAX] becomes `invalid`, a
     negative id the kernels give a NaN row (validate_targets: a ValueError); every other id passes
-    unchanged. `remap` False: a plain cast to int32 already does exactly that."""
+    unchanged. `remap` False: a plain cast to int32 already does exactly that. `clamp` (lo, hi):
+    where remapping, clamping the ids to [lo, hi] and casting gives ids the kernels read as the
+    remapped ones (one elementwise op: torch runs each comparison and select as a kernel of its
+    own): a negative id other than `ignore` is an invalid id to them, and INT32_MAX is no id of any
+    vocabulary. None where that does not hold: ids of an unsigned dtype (a uint64 id read as
+    int64 may equal `ignore`), an ignore_index outside int32 or at its ends."""
     ignore_index: int   # the caller's
     ignore: int
     invalid: int
@@ -101,6 +106,7 @@ class IdRule:
     check_low: bool     # the dtype holds negative ids
     check_high: bool    # the dtype holds ids above INT32_MAX
     remap: bool
+    clamp: tuple[int, int] | None
 
 
 def invalid_id(ignore: int) -> int:
@@ -114,8 +120,10 @@ def id_rule(lo: int, hi: int, ignore_index: int) -> IdRule:
     fits = INT32_MIN <= ignore_index <= INT32_MAX
     ignore = ignore_index if fits else -1
     invalid = invalid_id(ignore)
-    return IdRule(ignore_index=ignore_index, ignore=ignore, invalid=invalid, match_ignore=lo <= ignore_index <= hi, check_low=lo < 0,
-                  check_high=hi > INT32_MAX, remap=hi > INT32_MAX or lo < INT32_MIN or not fits)
+    remap = hi > INT32_MAX or lo < INT32_MIN or not fits
+    clamp = (INT32_MIN, INT32_MAX) if remap and lo < 0 and INT32_MIN < ignore_index < INT32_MAX else None
+    return IdRule(ignore_index=ignore_index, ignore=ignore, invalid=invalid, match_ignore=lo <= ignore_index <= hi,
+                  check_low=lo < 0, check_high=hi > INT32_MAX, remap=remap, clamp=clamp)
 
 
 def scalar_temperature(temperature) -> float | None:

@@ -27,6 +27,34 @@ def test_ids_beyond_int32_are_nan_rows_not_other_ids(dtype):
     torch.testing.assert_close(lp[[0, 2, 4, 5]], ref[[0, 2, 4, 5]], rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("ignore_index", [-100, -1, 0, 39, 2 ** 31 - 2, -(2 ** 31) + 1])
+def test_int64_ids_clamped_read_as_remapped(ignore_index):
+    """int64 ids reach the kernels by one clamp (IdRule.clamp): every id is read as the
+    comparisons-and-selects remap reads it (valid and the same id, ignored, or invalid)."""
+    import dataclasses
+
+    import rlk_common as common
+    from torch_bridge._args import id_rule, int32_targets
+    edges = [0, 1, 39, 40, -1, -2, -100, 2 ** 31 - 2, 2 ** 31 - 1, 2 ** 31, 2 ** 32 - 100, 2 ** 32 + 5, -(2 ** 31),
+             -(2 ** 31) - 1, -(2 ** 32) - 100, 2 ** 63 - 1, -(2 ** 63), ignore_index]
+    t = torch.tensor(edges, dtype=torch.int64)
+    rule = id_rule(t, ignore_index)
+    assert rule.clamp == (common.INT32_MIN, common.INT32_MAX)
+
+    def read(ids):  # what a kernel makes of an id of a V-id vocabulary (classify_target)
+        return torch.where(ids == rule.ignore, -2, torch.where((ids < 0) | (ids >= V), -1, ids))
+    clamped = int32_targets(t, rule)
+    assert clamped.dtype == torch.int32
+    assert torch.equal(read(clamped), read(int32_targets(t, dataclasses.replace(rule, clamp=None))))
+
+
+@pytest.mark.parametrize("dtype", [torch.uint64, torch.int32, torch.int16])
+def test_no_clamp_where_a_cast_suffices_or_ids_are_unsigned(dtype):
+    from torch_bridge._args import id_rule
+    assert id_rule(torch.zeros(1, dtype=dtype), -100).clamp is None
+    assert id_rule(torch.zeros(1, dtype=torch.int64), -(2 ** 40)).clamp is None  # ignore_index outside int32
+
+
 @pytest.mark.parametrize("dtype", [torch.uint8, torch.uint16, torch.uint32, torch.uint64, torch.int8, torch.int16])
 def test_validate_targets_with_unsigned_and_small_ids(dtype):
     """Before: uint16/32/64 raised NotImplementedError "lt_cpu" even for valid ids."""

@@ -193,6 +193,8 @@ def int32_targets(t: torch.Tensor, rule: common.IdRule) -> torch.Tensor:
     """int32 ids for the kernels by rlk_common.IdRule: checked in t's own dtype before the cast."""
     if not rule.remap:
         return t.to(torch.int32)
+    if rule.clamp is not None:
+        return t.clamp(*rule.clamp).to(torch.int32)
     s = _signed(t)
     bad = (s < 0) | (s > common.INT32_MAX)
     ids = torch.where(bad, torch.full_like(s, rule.invalid), s).to(torch.int32)
