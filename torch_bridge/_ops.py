@@ -12,6 +12,8 @@ and the fused single-shard forward op, with its autograd (LinearLogp), traceable
 torch.compile(fullgraph=True):
   rlk::linear_logp            (logp, entropy, m, log_s, kept buffer, log_s_keep); backward through
                               rlk::linear_logp_backward
+The autograd Functions reach them through run(): the op under torch.compile, its implementation
+directly in eager mode.
 
 A nucleus (`keep`, a top-p keep mask: bool [n, V_local], this shard's slice) makes logp that of the
 softmax over the kept ids (on every shard) and leaves the entropy unmasked; the kernels read it as
@@ -49,6 +51,29 @@ from ._core import core
 
 F32 = torch.float32
 W = int(core.STAT_WIDTH)
+
+
+# Each op's implementation by name, what run() calls in eager mode.
+_IMPLS = {}
+
+
+def _op(name: str, mutates_args=()):
+    """torch.library.custom_op("rlk::" + name) over fn, keeping fn for run()."""
+    def wrap(fn):
+        _IMPLS[name] = fn
+        return torch.library.custom_op("rlk::" + name, mutates_args=mutates_args)(fn)
+    return wrap
+
+
+def run(name: str, *args):
+    """rlk::<name> under torch.compile (the op is what Dynamo, AOTAutograd and Inductor see); in
+    eager mode its implementation called directly: the same code and bits without the dispatcher's
+    layers around a custom op (autograd, ADInplaceOrView, which for the backward's declared mutation
+    rebuilds the schema's argument list on every call), which cost the host more than a T1 step's
+    forward takes on the GPU (docs/benchmarks.md §5)."""
+    if torch.compiler.is_compiling():
+        return getattr(torch.ops.rlk, name)(*args)
+    return _IMPLS[name](*args)
 
 
 def _stream(t: Tensor) -> int:
@@ -167,7 +192,7 @@ def combine_to(stats, target_logit, targets, logp, ent, m, log_s, real_vocab, ig
                      int(ignore_index), _stream(stats), keep_sum=_c(keep_sum), log_s_keep=log_s_keep)
 
 
-@torch.library.custom_op("rlk::forward_stats", mutates_args=())
+@_op("forward_stats")
 def forward_stats(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], targets: Tensor, temperature: Tensor,
                   vocab_start: int, real_vocab: int, chunk: int, ignore_index: int, with_entropy: bool,
                   keep_logits: bool, keep: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -202,7 +227,7 @@ def _combine(stats, target_logit, targets, real_vocab, ignore_index, keep_sum):
     return (*out, log_s_keep)
 
 
-@torch.library.custom_op("rlk::combine", mutates_args=())
+@_op("combine")
 def combine(stats: Tensor, target_logit: Tensor, targets: Tensor, real_vocab: int, ignore_index: int,
             keep_sum: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(logp, entropy, m, log_s, log_s_keep) [n] f32: m the row max, log_s = log sum exp(z - m)
@@ -244,7 +269,7 @@ def _backward(hidden, weight, bias, targets, temperature, m, log_s, entropy, g, 
     return dh, dw, db, dtemp
 
 
-@torch.library.custom_op("rlk::linear_logp_backward", mutates_args=("logits",))
+@_op("linear_logp_backward", mutates_args=("logits",))
 def linear_logp_backward(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], targets: Tensor,
                          temperature: Tensor, m: Tensor, log_s: Tensor, entropy: Optional[Tensor], g: Tensor,
                          e: Optional[Tensor], logits: Tensor, vocab_start: int, real_vocab: int, chunk: int,
@@ -271,7 +296,7 @@ def _(hidden, weight, bias, targets, temperature, m, log_s, entropy, g, e, logit
 
 # ---- rlk::linear_logp (one shard: the whole vocab) and its autograd ------------------------------
 
-@torch.library.custom_op("rlk::linear_logp", mutates_args=())
+@_op("linear_logp")
 def linear_logp(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], targets: Tensor, temperature: Tensor,
                 real_vocab: int, chunk: int, ignore_index: int, with_entropy: bool,
                 keep_logits: bool, keep: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor,
@@ -342,8 +367,8 @@ class LinearLogp(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias32, temperature, targets, real_vocab: int, chunk: int, ignore_index: int,
                 with_entropy: bool, keep_logits: bool, keep: Optional[Tensor] = None):
-        logp, ent, m, log_s, logits, log_s_keep = torch.ops.rlk.linear_logp(
-            hidden, weight, bias32, targets, temperature, real_vocab, chunk, ignore_index, with_entropy, keep_logits,
+        logp, ent, m, log_s, logits, log_s_keep = run(
+            "linear_logp", hidden, weight, bias32, targets, temperature, real_vocab, chunk, ignore_index, with_entropy, keep_logits,
             keep)
         ctx.save_for_backward(hidden, weight, bias32, temperature, targets, m, log_s, ent, logits, keep, log_s_keep)
         ctx.cfg = (real_vocab, chunk, ignore_index, with_entropy)
@@ -358,8 +383,8 @@ class LinearLogp(torch.autograd.Function):
         g = torch.zeros_like(m) if g is None else g.contiguous()
         if with_entropy:
             e = torch.zeros_like(m) if e is None else e.contiguous()
-        dh, dw, db, dtemp = torch.ops.rlk.linear_logp_backward(
-            hidden, weight, bias32, targets, temperature, m, log_s, ent if with_entropy else None, g,
+        dh, dw, db, dtemp = run(
+            "linear_logp_backward", hidden, weight, bias32, targets, temperature, m, log_s, ent if with_entropy else None, g,
             e if with_entropy else None, KeptLogits.for_backward(ctx, logits), 0, real_vocab, chunk, ignore_index, False,
             keep, log_s_keep if keep is not None else None)
         return (dh, dw, (db if bias32 is not None else None), dtemp, None, None, None, None, None,

@@ -127,8 +127,8 @@ def tp_forward(hidden, weight, bias32, temperature, targets, keep, cfg: _TPConfi
     `keep` its kept sums) combined over cfg.group, and the shard's kept buffer ([0] unless
     cfg.keep_logits)."""
     import torch.distributed as dist
-    stats, tl, logits, keep_sum = torch.ops.rlk.forward_stats(
-        hidden, weight, bias32, targets, temperature, cfg.vocab_start, cfg.real_vocab, cfg.chunk, cfg.ignore_index,
+    stats, tl, logits, keep_sum = _ops.run(
+        "forward_stats", hidden, weight, bias32, targets, temperature, cfg.vocab_start, cfg.real_vocab, cfg.chunk, cfg.ignore_index,
         cfg.with_entropy, cfg.keep_logits, keep)
     n, k_local, w = stats.shape
     k, off = cfg.v_global // cfg.chunk, cfg.vocab_start // cfg.chunk
@@ -144,7 +144,7 @@ def tp_forward(hidden, weight, bias32, temperature, targets, keep, cfg: _TPConfi
     dist.all_reduce(tl, op=dist.ReduceOp.SUM, group=cfg.group)
     full_stats = full[:, :kw].reshape(n, k, w)
     full_keep = full[:, kw:].contiguous() if keep is not None else None
-    return (*torch.ops.rlk.combine(full_stats.contiguous(), tl, targets, cfg.real_vocab, cfg.ignore_index, full_keep),
+    return (*_ops.run("combine", full_stats.contiguous(), tl, targets, cfg.real_vocab, cfg.ignore_index, full_keep),
             logits)
 
 
@@ -168,8 +168,8 @@ class _VocabParallel(torch.autograd.Function):
         g = torch.zeros_like(m) if g is None else g.contiguous()
         if cfg.with_entropy:
             e = torch.zeros_like(m) if e is None else e.contiguous()
-        dh, dw, db, dtemp = torch.ops.rlk.linear_logp_backward(
-            hidden, weight, bias32, targets, temperature, m, log_s, ent if cfg.with_entropy else None, g,
+        dh, dw, db, dtemp = _ops.run(
+            "linear_logp_backward", hidden, weight, bias32, targets, temperature, m, log_s, ent if cfg.with_entropy else None, g,
             e if cfg.with_entropy else None, _ops.KeptLogits.for_backward(ctx, logits), cfg.vocab_start,
             cfg.real_vocab, cfg.chunk, cfg.ignore_index, True,  # f32 partials: summed over the shards
             keep, log_s_keep if keep is not None else None)

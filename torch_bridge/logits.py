@@ -21,7 +21,7 @@ from typing import Any, Optional
 
 import torch
 
-from . import _ops  # noqa: F401  (registers torch.ops.rlk.combine)
+from . import _ops
 from ._args import chunk_of, id_rule, int32_targets
 
 F32 = torch.float32
@@ -103,8 +103,8 @@ def _combined(stats, tl, targets, cfg: _Cfg, chunk: int):
         tl = tl.clone()
         torch.distributed.all_reduce(tl, group=cfg.group)
         stats = full
-    logp, ent, m, log_s, _ = torch.ops.rlk.combine(stats.contiguous(), tl.contiguous(), targets, cfg.real_vocab,
-                                                cfg.ignore_index)
+    logp, ent, m, log_s, _ = _ops.run("combine", stats.contiguous(), tl.contiguous(), targets, cfg.real_vocab,
+                                      cfg.ignore_index)
     return logp, m + log_s, ent
 
 
