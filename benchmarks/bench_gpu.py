@@ -99,6 +99,14 @@ def jax_paths():
     return paths
 
 
+UNAVAILABLE: dict[str, str] = {}  # path -> why it could not be built here (the report says so)
+
+
+def _unavailable(path, e):
+    UNAVAILABLE[path] = repr(e)[:200]
+    print(f"{path} unavailable:", UNAVAILABLE[path])
+
+
 def _stub_xprof():
     """Tokamax's benchmarking module imports `xprof.cli.tools.get_kernel_stats_tool` (an undeclared
     profiler dependency, unused here): empty stand-in modules let the import succeed."""
@@ -119,7 +127,7 @@ def _tokamax():
         import tokamax
         return tokamax
     except Exception as e:  # noqa: BLE001 - report why and go on without it
-        print("tokamax unavailable:", repr(e)[:200])
+        _unavailable("tokamax", e)
         return None
 
 
@@ -133,7 +141,8 @@ def torch_paths():
         import torch_bridge
         paths.update(fused_paths("torch_bridge", torch_bridge.linear_logp, validate_targets=False))
     except ImportError as e:
-        print("torch_bridge unavailable:", e)
+        _unavailable("torch_bridge_fast", e)
+        _unavailable("torch_bridge_lean", e)
     try:
         from liger_kernel.ops.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyFunction as F
 
@@ -142,13 +151,13 @@ def torch_paths():
             return -(out[0] if isinstance(out, tuple) else out)
         paths["liger"] = (liger, liger)
     except ImportError as e:
-        print("liger unavailable:", e)
+        _unavailable("liger", e)
     try:
         from cut_cross_entropy import linear_cross_entropy
         fn = lambda h, w, t: -linear_cross_entropy(h, w, t, reduction="none", filter_eps=None)  # noqa: E731
         paths["cce"] = (fn, fn)
     except ImportError as e:
-        print("cce unavailable:", e)
+        _unavailable("cce", e)
     return paths
 
 
@@ -422,7 +431,7 @@ def sustained_tflops():
     return 2.0 * SUSTAINED_GEMM ** 3 / ms / 1e9
 
 
-def run_meta(accuracy):
+def run_meta(accuracy, wanted):
     versions = {}
     for dist in VERSIONED:
         try:
@@ -432,7 +441,8 @@ def run_meta(accuracy):
     return dict(date=datetime.datetime.now().isoformat(timespec="minutes"), gpu=torch.cuda.get_device_name(),
                 versions=versions, command=" ".join(["python"] + sys.argv),
                 logp_rows=LOGP_ROWS, grad_rows=GRAD_ROWS if accuracy else None,
-                sustained=dict(tflops=sustained_tflops(), gemm=f"{SUSTAINED_GEMM}^3 bf16 torch matmul"))
+                sustained=dict(tflops=sustained_tflops(), gemm=f"{SUSTAINED_GEMM}^3 bf16 torch matmul"),
+                unavailable={k: why for k, why in UNAVAILABLE.items() if k in wanted})
 
 
 def parse_args():
@@ -454,9 +464,10 @@ def parse_args():
 def main():
     args = parse_args()
     os.makedirs(args.out, exist_ok=True)
-    paths = select_paths(args.paths.split(","))
+    wanted = args.paths.split(",")
+    paths = select_paths(wanted)
     shapes = args.shapes.split(",")
-    meta = run_meta(not args.skip_accuracy)
+    meta = run_meta(not args.skip_accuracy, wanted)
     progress = Progress(len(shapes) * (len(paths) + (args.repeat - 1) * sum(map(is_ours, paths))))
     rows = []
     for name in shapes:

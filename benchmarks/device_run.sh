@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # On a GPU machine (the device tool; see docs/benchmarks.md): build this checkout into the machine's
 # python and run the steps named on the command line, logs and results under $OUT.
-#   build    install carried wheels (.whl/: nvidia-cutlass, liger-kernel, cut-cross-entropy) and build
+#   build    install carried wheels (.whl/: liger-kernel, cut-cross-entropy, tokamax and what it imports:
+#            nvidia-cutlass, einshape, qwix, jaxtyping, wadler-lindig, immutabledict) and build
 #   test     pytest -m gpu (JAX and torch on one GPU); jaxtest: the JAX GPU tests only
 #   check    python -m rlk_xla check
 #   bench    benchmarks/bench_gpu.py over every shape of docs/design.md §6 (env BENCH_ARGS: more options)

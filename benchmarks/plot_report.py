@@ -114,6 +114,8 @@ def header(meta):
         "# linear_logp side by side", "",
         f"Measured {meta['date']} on {meta['gpu']}. Versions: {versions}" + (f" (not installed: {missing})."
                                                                              if missing else "."),
+        *(["Not run (could not be built here): " + "; ".join(f"`{k}` ({why})" for k, why in
+                                                            meta["unavailable"].items())] if meta.get("unavailable") else []),
         *([f"Command: `{meta['command']}`"] if "runs" not in meta else
           ["Commands (the shapes split over GPUs or calls):"] +
           [f"- `{run['command']}` ({run['date']}, {run['gpu']})" for run in meta["runs"]]), "",

@@ -33,3 +33,14 @@ def test_tflops_and_the_three_gemm_floor():
     cells = next(s for s in text.splitlines() if s.startswith("| **rlk_xla_fast**")).split(" | ")
     assert cells[3] == f"{flop / 6.37e9:.0f}" and cells[6] == f"{3 * flop / 19.35e9:.0f}"
     assert cells[7] == f"{19.35 / floor:.2f}"
+
+
+def test_header_names_a_peer_that_could_not_be_built():
+    """A peer whose import failed is named in the report with the reason, not silently left out."""
+    meta = dict(date="2026-12-04T14:14", gpu="NVIDIA H200", versions={"tokamax": "0.0.17", "liger-kernel": None},
+                command="python benchmarks/bench_gpu.py", logp_rows=256,
+                unavailable={"tokamax": "ModuleNotFoundError(\"No module named 'einshape'\")"})
+    text = plot_report.header(meta)
+    assert "(not installed: liger-kernel)" in text
+    assert "Not run (could not be built here): `tokamax` (ModuleNotFoundError(\"No module named 'einshape'\"))" in text
+    assert "Not run" not in plot_report.header(dict(meta, unavailable={}))
