@@ -30,7 +30,7 @@ for step in "$@"; do
     quick) timeout 150 $B/lptest --quick 2>&1 | tee $OUT/test.log || { echo "lptest failed: stopping"; exit 1; } ;;
     san) # keep every hazard's kernel names, then the summary
          for tool in memcheck racecheck; do
-           timeout 200 compute-sanitizer --tool $tool --print-limit 5 $B/lptest --tiny > /tmp/san_$tool.log 2>&1
+           timeout 400 compute-sanitizer --tool $tool --print-limit 5 $B/lptest --tiny > /tmp/san_$tool.log 2>&1
            { grep -E "Error|access at|Invalid|hazards\]" /tmp/san_$tool.log | head -n 40; tail -n 3 /tmp/san_$tool.log; } | tee $OUT/$tool.log
          done ;;
     bench) timeout 200 $B/lptest --bench 2>&1 | tee $OUT/bench.log ;;
