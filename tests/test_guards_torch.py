@@ -119,3 +119,57 @@ def test_messages_name_the_argument_and_what_to_pass():
     lp = tb.linear_logp(hg, w, t, backward="lean")  # what the message says works
     lp.sum().backward(retain_graph=True)
     lp.sum().backward()
+
+
+@pytest.mark.parametrize("backward", ["fast", "lean"])
+def test_fake_tensor_mode_takes_the_registered_fakes(backward):
+    """Under FakeTensorMode (shape propagation, memory planners) the ops' registered fakes run: the
+    eager path's direct call would hand fake tensors' memory to the kernels."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode():
+        h = torch.randn(N, H, requires_grad=True)
+        w = torch.randn(V, H, requires_grad=True)
+        lp = tb.linear_logp(h, w, torch.randint(0, V, (N,)), validate_targets=False, backward=backward)
+        lp.sum().backward()
+    assert lp.shape == (N,) and h.grad.shape == (N, H) and w.grad.shape == (V, H)
+
+
+def test_a_dispatch_mode_sees_the_op_and_the_same_bits():
+    """A TorchDispatchMode (a flop counter, a debug log) sees rlk::linear_logp and its backward,
+    and the values are the plain eager path's."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Seen(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.add(str(func.overloadpacket))
+            return func(*args, **(kwargs or {}))
+
+    h, w = inputs()
+    t = torch.randint(0, V, (N,), generator=torch.Generator().manual_seed(1))
+    grads = []
+    for mode in (None, Seen()):
+        hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
+        with mode if mode is not None else torch.enable_grad():
+            lp = tb.linear_logp(hh, ww, t)
+            lp.sum().backward()
+        grads.append((lp.detach(), hh.grad, ww.grad))
+    assert {"rlk.linear_logp", "rlk.linear_logp_backward"} <= mode.ops
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_kernels_refuse_a_tensor_subclass():
+    """Below the ops, a tensor subclass reaching the kernels is refused by name, not read."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from torch_bridge import _ops
+    with FakeTensorMode():
+        fake = torch.empty(N)
+    real = torch.zeros(N)
+    with pytest.raises(TypeError, match="FakeTensor is not a plain tensor's memory"):
+        _ops.combine_to(torch.zeros(N, 1, 3), fake, torch.zeros(N, dtype=torch.int32), real, real.clone(),
+                        real.clone(), real.clone(), V, -100)

@@ -66,14 +66,33 @@ def _op(name: str, mutates_args=()):
 
 
 def run(name: str, *args):
-    """rlk::<name> under torch.compile (the op is what Dynamo, AOTAutograd and Inductor see); in
-    eager mode its implementation called directly: the same code and bits without the dispatcher's
-    layers around a custom op (autograd, ADInplaceOrView, which for the backward's declared mutation
-    rebuilds the schema's argument list on every call), which cost the host more than a T1 step's
-    forward takes on the GPU (docs/benchmarks.md §5)."""
-    if torch.compiler.is_compiling():
+    """rlk::<name> under torch.compile (the op is what Dynamo, AOTAutograd and Inductor see) and
+    wherever the dispatcher has more to do than run it: a dispatch mode is active (FakeTensorMode
+    takes the op's registered fake, a FlopCounterMode or a debug mode sees the op) or a tensor
+    subclass is among the arguments. Otherwise, in plain eager mode, its implementation called
+    directly: the same code and bits without the dispatcher's layers around a custom op (autograd,
+    ADInplaceOrView, which for the backward's declared mutation rebuilds the schema's argument list
+    on every call), which cost the host more than a T1 step's forward takes on the GPU
+    (docs/benchmarks.md §5)."""
+    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() or not all(map(_plain, args)):
         return getattr(torch.ops.rlk, name)(*args)
     return _IMPLS[name](*args)
+
+
+def _plain(a) -> bool:
+    return not isinstance(a, Tensor) or type(a) in (Tensor, torch.nn.Parameter)
+
+
+def _kernel(fn, *args, **kwargs):
+    """core.<fn>(*args, **kwargs), every tensor among them a plain one: the kernels read and write
+    tensors' memory through DLPack, and a subclass's is not its values (a FakeTensor has none; a
+    DTensor holds a shard). Refused with an error instead of read."""
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, Tensor) and type(a) is not Tensor:
+            raise TypeError(f"torch_bridge: the compiled kernels read a tensor's memory, and a {type(a).__name__} "
+                            "is not a plain tensor's memory; pass plain tensors (or call under torch.compile, "
+                            "where the ops' registered fakes serve fake tensors)")
+    return fn(*args, **kwargs)
 
 
 def _stream(t: Tensor) -> int:
@@ -178,7 +197,7 @@ def forward_into(hidden, weight, bias32, targets, temperature32, stats, tl, logi
     keep: a nucleus (bool [n, v]) with keep_sum [n, v/chunk] f32 and, combining, log_s_keep [n] f32.
     temperature32 [n] f32 contiguous, targets [n] int32; a non-contiguous input is copied (allocates)."""
     with _on(hidden):
-        core.forward(_c(hidden), _c(weight), _c(bias32), _c(targets), temperature32, stats, tl, logits, workspace,
+        _kernel(core.forward, _c(hidden), _c(weight), _c(bias32), _c(targets), temperature32, stats, tl, logits, workspace,
                      int(vocab_start), int(real_vocab), int(chunk), int(ignore_index), bool(with_entropy),
                      _stream(hidden), *combine_into, keep=_keep(keep), keep_sum=keep_sum, log_s_keep=log_s_keep)
 
@@ -188,7 +207,7 @@ def combine_to(stats, target_logit, targets, logp, ent, m, log_s, real_vocab, ig
     """rlk::combine writing into the caller's [n] f32 buffers (logp, entropy, m, log_s; with the kept
     sums keep_sum [n, chunks], the nucleus's logp and log_s_keep)."""
     with _on(stats):
-        core.combine(_c(stats), _c(target_logit), _c(targets), logp, ent, m, log_s, int(real_vocab),
+        _kernel(core.combine, _c(stats), _c(target_logit), _c(targets), logp, ent, m, log_s, int(real_vocab),
                      int(ignore_index), _stream(stats), keep_sum=_c(keep_sum), log_s_keep=log_s_keep)
 
 
@@ -258,7 +277,7 @@ def _backward(hidden, weight, bias, targets, temperature, m, log_s, entropy, g, 
         return dh, dw, db, dtemp
     with_entropy = entropy is not None and e is not None
     with _on(hidden):
-        core.backward(_c(hidden), _c(weight), _c(bias), _c(targets), _temp(temperature), _c(m), _c(log_s),
+        _kernel(core.backward, _c(hidden), _c(weight), _c(bias), _c(targets), _temp(temperature), _c(m), _c(log_s),
                       _c(entropy) if with_entropy else None,
                       _c(g.to(F32)), _c(e.to(F32)) if with_entropy else None, kept, dh, dw,
                       db if bias is not None else None, dtemp,
