@@ -173,3 +173,34 @@ def test_kernels_refuse_a_tensor_subclass():
     with pytest.raises(TypeError, match="FakeTensor is not a plain tensor's memory"):
         _ops.combine_to(torch.zeros(N, 1, 3), fake, torch.zeros(N, dtype=torch.int32), real, real.clone(),
                         real.clone(), real.clone(), V, -100)
+
+
+@pytest.mark.parametrize("backward", ["fast", "lean"])
+def test_activation_checkpointing_gives_the_same_bits(backward):
+    """Recompute as trainers run it (reentrant, non-reentrant, selective with the op saved: a
+    dispatch mode around the op) gives plain eager's logp and gradients bit for bit."""
+    import functools
+
+    from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+    h0, w0 = inputs()
+    t = torch.randint(0, V, (N,), generator=torch.Generator().manual_seed(2))
+
+    def f(h, w):
+        return tb.linear_logp(torch.tanh(h), w, t, backward=backward).sum()
+
+    def save_ours(ctx, op, *args, **kwargs):
+        return CheckpointPolicy.MUST_SAVE if "rlk" in str(op) else CheckpointPolicy.PREFER_RECOMPUTE
+
+    sac = functools.partial(create_selective_checkpoint_contexts, save_ours)
+    runs = {"plain": f, "reentrant": functools.partial(checkpoint, f, use_reentrant=True),
+            "non-reentrant": functools.partial(checkpoint, f, use_reentrant=False),
+            "selective": functools.partial(checkpoint, f, use_reentrant=False, context_fn=sac)}
+    out = {}
+    for name, run in runs.items():
+        h, w = h0.clone().requires_grad_(), w0.clone().requires_grad_()
+        y = run(h, w)
+        y.backward()
+        out[name] = (y.detach(), h.grad, w.grad)
+    for name in runs:
+        for a, b in zip(out["plain"], out[name]):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
