@@ -108,14 +108,14 @@ def shape_table(row, sustained_tflops=None):
 def header(meta):
     versions = ", ".join(f"{k} {v}" for k, v in meta["versions"].items() if v)
     missing = ", ".join(k for k, v in meta["versions"].items() if not v)
+    not_run = "; ".join(f"`{k}` ({why})" for k, why in meta.get("unavailable", {}).items())
     grads = (f"dH / dW rel: ||grad - float64 grad|| / ||float64 grad|| on the first {meta['grad_rows']} rows "
              "(full vocab)." if meta.get("grad_rows") else "dH / dW: not measured (--skip-accuracy).")
     return "\n".join([
         "# linear_logp side by side", "",
         f"Measured {meta['date']} on {meta['gpu']}. Versions: {versions}" + (f" (not installed: {missing})."
                                                                              if missing else "."),
-        *(["Not run (could not be built here): " + "; ".join(f"`{k}` ({why})" for k, why in
-                                                            meta["unavailable"].items())] if meta.get("unavailable") else []),
+        *([f"Not run (could not be built here): {not_run}."] if not_run else []),
         *([f"Command: `{meta['command']}`"] if "runs" not in meta else
           ["Commands (the shapes split over GPUs or calls):"] +
           [f"- `{run['command']}` ({run['date']}, {run['gpu']})" for run in meta["runs"]]), "",

@@ -80,15 +80,16 @@ def run(name: str, *args):
 
 
 def _plain(a) -> bool:
+    """Not a tensor, or one whose memory is its values (a Parameter's is)."""
     return not isinstance(a, Tensor) or type(a) in (Tensor, torch.nn.Parameter)
 
 
 def _kernel(fn, *args, **kwargs):
-    """core.<fn>(*args, **kwargs), every tensor among them a plain one: the kernels read and write
+    """core.<fn>(*args, **kwargs), every tensor among them _plain: the kernels read and write
     tensors' memory through DLPack, and a subclass's is not its values (a FakeTensor has none; a
     DTensor holds a shard). Refused with an error instead of read."""
     for a in (*args, *kwargs.values()):
-        if isinstance(a, Tensor) and type(a) is not Tensor:
+        if not _plain(a):
             raise TypeError(f"torch_bridge: the compiled kernels read a tensor's memory, and a {type(a).__name__} "
                             "is not a plain tensor's memory; pass plain tensors (or call under torch.compile, "
                             "where the ops' registered fakes serve fake tensors)")
@@ -197,9 +198,9 @@ def forward_into(hidden, weight, bias32, targets, temperature32, stats, tl, logi
     keep: a nucleus (bool [n, v]) with keep_sum [n, v/chunk] f32 and, combining, log_s_keep [n] f32.
     temperature32 [n] f32 contiguous, targets [n] int32; a non-contiguous input is copied (allocates)."""
     with _on(hidden):
-        _kernel(core.forward, _c(hidden), _c(weight), _c(bias32), _c(targets), temperature32, stats, tl, logits, workspace,
-                     int(vocab_start), int(real_vocab), int(chunk), int(ignore_index), bool(with_entropy),
-                     _stream(hidden), *combine_into, keep=_keep(keep), keep_sum=keep_sum, log_s_keep=log_s_keep)
+        _kernel(core.forward, _c(hidden), _c(weight), _c(bias32), _c(targets), temperature32, stats, tl, logits,
+                workspace, int(vocab_start), int(real_vocab), int(chunk), int(ignore_index), bool(with_entropy),
+                _stream(hidden), *combine_into, keep=_keep(keep), keep_sum=keep_sum, log_s_keep=log_s_keep)
 
 
 def combine_to(stats, target_logit, targets, logp, ent, m, log_s, real_vocab, ignore_index, keep_sum=None,
@@ -208,7 +209,7 @@ def combine_to(stats, target_logit, targets, logp, ent, m, log_s, real_vocab, ig
     sums keep_sum [n, chunks], the nucleus's logp and log_s_keep)."""
     with _on(stats):
         _kernel(core.combine, _c(stats), _c(target_logit), _c(targets), logp, ent, m, log_s, int(real_vocab),
-                     int(ignore_index), _stream(stats), keep_sum=_c(keep_sum), log_s_keep=log_s_keep)
+                int(ignore_index), _stream(stats), keep_sum=_c(keep_sum), log_s_keep=log_s_keep)
 
 
 @_op("forward_stats")
@@ -278,13 +279,13 @@ def _backward(hidden, weight, bias, targets, temperature, m, log_s, entropy, g, 
     with_entropy = entropy is not None and e is not None
     with _on(hidden):
         _kernel(core.backward, _c(hidden), _c(weight), _c(bias), _c(targets), _temp(temperature), _c(m), _c(log_s),
-                      _c(entropy) if with_entropy else None,
-                      _c(g.to(F32)), _c(e.to(F32)) if with_entropy else None, kept, dh, dw,
-                      db if bias is not None else None, dtemp,
-                      _workspace(hidden, v, chunk, bias is not None, with_entropy,
-                                 "lean" if kept is None else "fast", dhidden_f32),
-                      int(vocab_start), int(real_vocab), int(chunk), int(ignore_index), _stream(hidden),
-                      keep=_keep(keep), log_s_keep=_c(log_s_keep) if keep is not None else None)
+                _c(entropy) if with_entropy else None,
+                _c(g.to(F32)), _c(e.to(F32)) if with_entropy else None, kept, dh, dw,
+                db if bias is not None else None, dtemp,
+                _workspace(hidden, v, chunk, bias is not None, with_entropy,
+                           "lean" if kept is None else "fast", dhidden_f32),
+                int(vocab_start), int(real_vocab), int(chunk), int(ignore_index), _stream(hidden),
+                keep=_keep(keep), log_s_keep=_c(log_s_keep) if keep is not None else None)
     return dh, dw, db, dtemp
 
 
