@@ -1,0 +1,161 @@
+"""score_sampled with the sampler's nucleus and with ids of any integer dtype, in both frontends.
+
+Nucleus (torch): score_sampled(..., keep_mask=) gives bitwise the rows of the trainer's
+linear_logp(..., keep_mask=) on the same rows (padded decode batches, out= buffers, TP 1 and TP 2
+over gloo), the entropy unmasked; ids outside their nucleus give -inf, as the trainer.
+Ids (issue 44): int64 ids beyond int32 are never wrapped by the cast: 2^32 + 5 is no id (a NaN row,
+as linear_logp(validate_targets=False) gives), not id 5, and -2^32 - 100 is not the padding id."""
+import pytest
+
+pytest.importorskip("torch", reason="torch is not installed: these tests need it")
+
+import os
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import torch_bridge
+from rollout_helpers import CAPTURE, REAL, V, capture_size, same_bits, trainer_inputs
+from subprocs import free_port
+from torch_bridge import rollout
+
+BIG = (2 ** 32 + 5, -(2 ** 32) - 100, 2 ** 31, -(2 ** 31) - 1, 2 ** 63 - 1, -(2 ** 63))
+
+
+def nucleus(d, kw, frac=0.3, seed=3):
+    """A top-p-like keep mask [n, V]: random ids, each row's argmax and target kept."""
+    z = d["hidden"].double() @ d["weight"].double().T
+    keep = torch.rand(z.shape, generator=torch.Generator().manual_seed(seed)) < frac
+    rows = torch.arange(z.shape[0])
+    keep[rows, z[:, :REAL].argmax(dim=1)] = True
+    keep[rows, d["targets"].clamp(min=0)] = True
+    return keep
+
+
+def trainer_rows(d, kw, keep):
+    with torch.no_grad():
+        return torch_bridge.linear_logp(d["hidden"], d["weight"], d["targets"], keep_mask=keep, return_entropy=True,
+                                        mode="strict", **kw)
+
+
+@pytest.mark.parametrize("name", ["bf16_temp_array_bias_entropy", "f32_temp_bias_entropy"])
+def test_nucleus_rows_equal_trainer_rows(name):
+    d, kw = trainer_inputs(name, 512)
+    keep = nucleus(d, kw)
+    ref_logp, ref_ent = trainer_rows(d, kw, keep)
+    for live in (1, 3, 8, 64):
+        cap, off = capture_size(live), 7 * live
+        rows = slice(off, off + live)
+        pad = cap - live
+        hidden = torch.cat([d["hidden"][rows], torch.full((pad, d["hidden"].shape[1]), 1e4, dtype=d["hidden"].dtype)])
+        ids = torch.cat([d["targets"][rows], torch.full((pad,), rollout.PAD_ID)])
+        k = torch.cat([keep[rows], torch.zeros((pad, V), dtype=torch.bool)])
+        t = kw["temperature"]
+        if isinstance(t, torch.Tensor):
+            t = torch.cat([t[rows], torch.ones(pad)])
+        bufs = rollout.score_buffers(cap, d["weight"], bias=kw.get("bias"), return_entropy=True, nucleus=True)
+        logp, ent = rollout.score_sampled(hidden, d["weight"], ids, temperature=t, bias=kw.get("bias"),
+                                          real_vocab_size=REAL, return_entropy=True, keep_mask=k, out=bufs)
+        assert same_bits(logp[:live], ref_logp[rows]), f"{name}: {live} live rows"
+        assert same_bits(ent[:live], ref_ent[rows])
+        # the nucleus changes the logp (a renormalized softmax) but not the entropy
+        plain = rollout.score_sampled(hidden[:live], d["weight"], ids[:live], temperature=t if not isinstance(
+            t, torch.Tensor) else t[:live], bias=kw.get("bias"), real_vocab_size=REAL)
+        assert (logp[:live] >= plain).all() and (logp[:live] > plain).any()
+
+
+def test_id_outside_the_nucleus_is_minus_inf_and_buffers_are_checked():
+    d, kw = trainer_inputs("bf16", 8)
+    keep = nucleus(d, kw)
+    t = d["targets"].clamp(min=0)
+    keep[0, t[0]] = False
+    ref = trainer_rows(d, kw, keep)[0]
+    got = rollout.score_sampled(d["hidden"], d["weight"], t, real_vocab_size=REAL, keep_mask=keep)
+    assert got[0] == float("-inf") and same_bits(got, torch.where(d["targets"] < 0, 0.0, ref))
+    plain = rollout.score_buffers(8, d["weight"])
+    with pytest.raises(ValueError, match="nucleus"):
+        rollout.score_sampled(d["hidden"], d["weight"], t, real_vocab_size=REAL, keep_mask=keep, out=plain)
+    with pytest.raises(ValueError, match="nucleus"):
+        rollout.score_sampled(d["hidden"], d["weight"], t, out=rollout.score_buffers(8, d["weight"], nucleus=True))
+    with pytest.raises(ValueError, match="keep_mask must be shaped"):
+        rollout.score_sampled(d["hidden"], d["weight"], t, keep_mask=keep[:, :10])
+    with pytest.raises(TypeError, match="keep_mask must be a bool"):
+        rollout.score_sampled(d["hidden"], d["weight"], t, keep_mask=keep.float())
+    with pytest.raises(ValueError, match="contiguous"):
+        rollout.score_sampled(d["hidden"], d["weight"], t, keep_mask=keep.T.contiguous().T,
+                              out=rollout.score_buffers(8, d["weight"], nucleus=True))
+
+
+@pytest.mark.parametrize("with_out", [False, True])
+def test_int64_ids_follow_linear_logps_rule(with_out):
+    """Issue 44: on main, 2^32 + 5 was scored as id 5 and -2^32 - 100 as padding (logp 0)."""
+    d, kw = trainer_inputs("bf16", len(BIG) + 2)
+    ids = torch.tensor([*BIG, 5, rollout.PAD_ID], dtype=torch.int64)
+    with torch.no_grad():
+        ref = torch_bridge.linear_logp(d["hidden"], d["weight"], ids, real_vocab_size=REAL, validate_targets=False)
+    out = rollout.score_buffers(len(ids), d["weight"]) if with_out else None
+    got = rollout.score_sampled(d["hidden"], d["weight"], ids, real_vocab_size=REAL, out=out)
+    assert torch.isnan(got[:len(BIG)]).all(), got
+    assert same_bits(got, ref)
+    assert torch.isfinite(got[-2]) and got[-1] == 0.0
+    # every integer dtype torch has: the same rows as linear_logp
+    for dtype in (torch.int8, torch.uint8, torch.int16, torch.int32, torch.uint32, torch.uint64):
+        small = torch.tensor([5, 100, 0], dtype=dtype)
+        h, w = d["hidden"][:3], d["weight"]
+        with torch.no_grad():
+            want = torch_bridge.linear_logp(h, w, small, real_vocab_size=REAL, validate_targets=False)
+        assert same_bits(rollout.score_sampled(h, w, small, real_vocab_size=REAL), want), dtype
+    huge = torch.tensor([2 ** 64 - 1, 2 ** 32 + 5, 7], dtype=torch.uint64)
+    got = rollout.score_sampled(d["hidden"][:3], d["weight"], huge, real_vocab_size=REAL)
+    assert torch.isnan(got[:2]).all() and torch.isfinite(got[2])
+
+
+def _tp_worker(rank, world, port, out_dir):
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        d, kw = trainer_inputs("bf16_temp_array_bias_entropy", 64)
+        keep = nucleus(d, kw)
+        v_local = V // world
+        shard = slice(rank * v_local, (rank + 1) * v_local)
+        w, b = d["weight"][shard].contiguous(), kw["bias"][shard].contiguous()
+        k = keep[:, shard].contiguous()
+        bufs = rollout.score_buffers(64, w, bias=b, tp_group=dist.group.WORLD, return_entropy=True, nucleus=True)
+        logp, ent = rollout.score_sampled(d["hidden"], w, d["targets"], temperature=kw["temperature"], bias=b,
+                                          tp_group=dist.group.WORLD, real_vocab_size=REAL, return_entropy=True,
+                                          keep_mask=k, out=bufs)
+        torch.save({"logp": logp.clone(), "ent": ent.clone()}, os.path.join(out_dir, f"{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_tp2_nucleus_rows_equal_tp1_trainer(tmp_path):
+    d, kw = trainer_inputs("bf16_temp_array_bias_entropy", 64)
+    ref_logp, ref_ent = trainer_rows(d, kw, nucleus(d, kw))
+    mp.spawn(_tp_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
+    for r in range(2):
+        got = torch.load(tmp_path / f"{r}.pt")
+        assert same_bits(got["logp"], ref_logp) and same_bits(got["ent"], ref_ent), f"rank {r}"
+
+
+def test_jax_int64_ids_follow_linear_logps_rule():
+    jax = pytest.importorskip("jax", reason="jax is not installed: the JAX half needs it")
+    import jax.numpy as jnp
+
+    import rlk_xla
+    from rlk_xla import rollout as xrollout
+    d, _ = trainer_inputs("f32", len(BIG) + 2)
+    h, w = jnp.asarray(d["hidden"].numpy()), jnp.asarray(d["weight"].numpy())
+    with jax.enable_x64(True):
+        ids = jnp.asarray(np.array([*BIG, 5, rollout.PAD_ID], dtype=np.int64))
+        assert ids.dtype == jnp.int64
+        got = np.asarray(jax.jit(lambda h, w, i: xrollout.score_sampled(h, w, i, real_vocab_size=REAL))(h, w, ids))
+        ref = np.asarray(rlk_xla.linear_logp(h, w, ids, real_vocab_size=REAL))
+    assert np.isnan(got[:len(BIG)]).all() and np.isfinite(got[-2]) and got[-1] == 0.0
+    assert np.array_equal(got.view(np.uint32), ref.view(np.uint32))
+    # and the torch engine's rows are the JAX trainer's
+    t = rollout.score_sampled(d["hidden"], d["weight"], torch.tensor([*BIG, 5, rollout.PAD_ID]), real_vocab_size=REAL)
+    assert np.array_equal(t.numpy().view(np.uint32), got.view(np.uint32))
