@@ -119,3 +119,97 @@ def _worst(flat: int, train, roll, dlogp: float, sample_ids, positions, rank) ->
     position = col if positions is None else int(np.asarray(positions).reshape(-1)[flat])
     return WorstToken(sample=sample, position=position, rank=rank, dlogp=dlogp,
                       train_logp=float(train.reshape(-1)[flat]), rollout_logp=float(roll.reshape(-1)[flat]))
+
+
+# ---- where the model body drifts -----------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Drift:
+    """The first captured layer whose two sides differ: how many elements differ in any bit (of
+    how many), the largest |difference| and the first differing token (sample, position)."""
+    layer: str
+    differing: int
+    elements: int
+    max_abs: float
+    sample: int
+    position: int
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def __str__(self) -> str:
+        return (f"first drift at {self.layer}: {self.differing} of {self.elements} elements differ, max |diff| "
+                f"{self.max_abs:.3e}, first at sample {self.sample} position {self.position}")
+
+
+def _bits(x) -> np.ndarray:
+    """An activation's raw bits as ints of its width (bf16 and other dtypes numpy lacks are viewed,
+    not converted). torch is imported only with a torch tensor in hand (this module needs neither
+    framework)."""
+    if hasattr(x, "detach"):
+        import torch
+        t = x.detach().contiguous().cpu()
+        return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]).numpy()
+    a = np.asarray(x)
+    return a.view({1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[a.dtype.itemsize])
+
+
+def _values(x) -> np.ndarray:
+    if hasattr(x, "detach"):
+        return x.detach().float().cpu().numpy()
+    return np.asarray(x, dtype=np.float32)
+
+
+def first_drift(decode: dict, train: dict) -> Optional[Drift]:
+    """The first layer (in `decode`'s order) whose activations differ in any bit between the two
+    sides, None if every layer is bitwise equal. decode / train: {layer name: [samples, positions,
+    ...] activations at the same tokens} (torch tensors or numpy / jax arrays; the caller aligns the
+    positions, e.g. CaptureLayers' decode calls concatenated along the positions against the
+    trainer's forward over the same tokens)."""
+    for name, d in decode.items():
+        if name not in train:
+            raise ValueError(f"layer {name!r} was captured on the decode side only")
+        bd, bt = _bits(d), _bits(train[name])
+        if bd.shape != bt.shape:
+            raise ValueError(f"layer {name!r}: decode {bd.shape} and train {bt.shape} activations differ in shape")
+        diff = bd != bt
+        if diff.any():
+            first = np.argwhere(diff)[0]
+            gap = np.abs(_values(d).astype(np.float64) - _values(train[name]).astype(np.float64))
+            return Drift(layer=name, differing=int(diff.sum()), elements=int(diff.size),
+                         max_abs=float(np.nanmax(gap)) if np.isfinite(gap).any() else float("nan"),
+                         sample=int(first[0]), position=int(first[1]) if diff.ndim > 1 else 0)
+    return None
+
+
+class CaptureLayers:
+    """Forward hooks on named torch modules ({name: module}): every call's output (the first element
+    of a tuple output) is kept, detached, in call order. `with CaptureLayers(mods) as cap:` removes
+    the hooks on exit; cap.joined(axis=1) concatenates each layer's calls (a prefill then one
+    decode step per token gives the same [samples, positions, ...] a trainer's forward over the whole
+    sequences gives). For flax, sow the intermediates (nnx.Module.sow) and pass the popped dict of
+    arrays to first_drift directly."""
+
+    def __init__(self, modules: dict):
+        self.modules, self.calls, self._hooks = dict(modules), {k: [] for k in modules}, []
+
+    def __enter__(self):
+        for name, mod in self.modules.items():
+            self._hooks.append(mod.register_forward_hook(self._hook(name)))
+        return self
+
+    def _hook(self, name):
+        def keep(_mod, _inp, out):
+            self.calls[name].append((out[0] if isinstance(out, tuple) else out).detach().clone())
+        return keep
+
+    def __exit__(self, *exc):
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+        return False
+
+    def joined(self, axis: int = 1) -> dict:
+        """{name: the calls' outputs concatenated along `axis`}."""
+        import torch
+        return {k: torch.cat(v, dim=axis) for k, v in self.calls.items() if v}
