@@ -130,15 +130,20 @@ def plot(runs: dict, path: str) -> bool:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(1, 3, figsize=(15, 4))
+    colors: dict = {}
     for label, rows in runs.items():
+        arm = label.rsplit(" s", 1)[0]  # a run's seeds share their arm's color
+        color = colors.setdefault(arm, f"C{len(colors)}")
+        kw = dict(color=color, lw=1, alpha=0.8, label=label)
         steps = [r["step"] for r in rows]
-        rw = np.array([r["reward"] for r in rows])
-        k = min(10, len(rw))
-        ax[0].plot(steps, np.convolve(rw, np.ones(k) / k, mode="same"), label=label, lw=1)
-        ax[1].plot(steps, [r["a"]["rlk_dlogp_mismatches"] for r in rows], label=label, lw=1)
-        ax[2].plot(steps, [r["b"]["rlk_dlogp_mismatches"] for r in rows], label=label, lw=1)
+        rw = np.cumsum([r["reward"] for r in rows])
+        k = 10
+        trailing = (rw - np.concatenate([np.zeros(k), rw])[:len(rw)]) / np.minimum(np.arange(1, len(rw) + 1), k)
+        ax[0].plot(steps, trailing, **kw)
+        ax[1].plot(steps, [r["a"]["rlk_dlogp_mismatches"] for r in rows], **kw)
+        ax[2].plot(steps, [r["b"]["rlk_dlogp_mismatches"] for r in rows], **kw)
     ax[0].axhline(1 / BANDS, color="gray", ls=":", lw=1)
-    for a, title in zip(ax, ("reward (10-step mean; dotted: a prompt-blind policy)",
+    for a, title in zip(ax, ("reward (trailing 10-step mean; dotted: a prompt-blind policy)",
                              "(a) mismatches per step: the head alone", "(b) mismatches per step: full recompute")):
         a.set_title(title, fontsize=9)
         a.set_xlabel("step")
