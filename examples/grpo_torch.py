@@ -348,8 +348,13 @@ def run(args, tp: TP = TP()):
 
 
 def _tp_worker(rank, args, port):
+    """One trainer rank: gloo on the CPU; on CUDA one GPU per rank and NCCL."""
     import torch.distributed as dist
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=args.tp)
+    backend = "gloo"
+    if args.device.startswith("cuda"):
+        torch.cuda.set_device(rank)
+        args.device, backend = f"cuda:{rank}", "nccl"
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=args.tp)
     try:
         run(args, TP(group=dist.group.WORLD, size=args.tp, rank=rank))
     finally:

@@ -25,7 +25,10 @@ def score_sampled(hidden, weight, sampled_ids, *, temperature=1.0, bias=None, ax
     hidden [n, H] (bf16, fp16 or fp32), weight [V_local, H], sampled_ids [n] int global ids (PAD_ID
     for padding rows), temperature a float > 0 or an [n] array, bias [V_local] or None. Returns
     logp [n] f32, or (logp, entropy) with return_entropy: bitwise what rlk_xla.linear_logp returns
-    for the same rows and options. No gradient flows through it (lax.stop_gradient)."""
+    for the same rows and options. No gradient flows through it (lax.stop_gradient). Ids of any
+    integer dtype follow linear_logp's rule (rlk_common.id_rule: never wrapped into int32; an int64
+    id of 2^32 + 5 gives a NaN row). The full softmax only: no keep_mask yet (rlk_xla.linear_logp
+    takes none), so a sampler that must match its trainer samples with top-p 1."""
     a = parse(hidden, weight, sampled_ids, bias=bias, temperature=temperature, ignore_index=PAD_ID,
               vocab_start=vocab_start, real_vocab_size=real_vocab_size, axis_name=axis_name)
     common.check_decode_batch(a.out_shape, hidden.shape, _unsupported(a), "rlk_xla.rollout.score_sampled")
