@@ -126,20 +126,22 @@ def _worst(flat: int, train, roll, dlogp: float, sample_ids, positions, rank) ->
 @dataclasses.dataclass(frozen=True)
 class Drift:
     """The first captured layer whose two sides differ: how many elements differ in any bit (of
-    how many), the largest |difference| and the first differing token (sample, position)."""
+    how many; -0.0 against 0.0 differs), the largest |difference| and the first differing element
+    (sample, position, feature: its index along the last axis)."""
     layer: str
     differing: int
     elements: int
     max_abs: float
     sample: int
     position: int
+    feature: int
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
     def __str__(self) -> str:
         return (f"first drift at {self.layer}: {self.differing} of {self.elements} elements differ, max |diff| "
-                f"{self.max_abs:.3e}, first at sample {self.sample} position {self.position}")
+                f"{self.max_abs:.3e}, first at sample {self.sample} position {self.position} feature {self.feature}")
 
 
 def _bits(x) -> np.ndarray:
@@ -161,8 +163,9 @@ def _values(x) -> np.ndarray:
 
 
 def first_drift(decode: dict, train: dict) -> Optional[Drift]:
-    """The first layer (in `decode`'s order) whose activations differ in any bit between the two
-    sides, None if every layer is bitwise equal. decode / train: {layer name: [samples, positions,
+    """The first layer (in `decode`'s order: give it in execution order) whose activations differ in
+    any bit between the two sides, None if every layer is bitwise equal. It locates the first
+    observed boundary, not the arithmetic that caused it (a module's internals stay unseen). decode / train: {layer name: [samples, positions,
     ...] activations at the same tokens} (torch tensors or numpy / jax arrays; the caller aligns the
     positions, e.g. CaptureLayers' decode calls concatenated along the positions against the
     trainer's forward over the same tokens)."""
@@ -178,7 +181,8 @@ def first_drift(decode: dict, train: dict) -> Optional[Drift]:
             gap = np.abs(_values(d).astype(np.float64) - _values(train[name]).astype(np.float64))
             return Drift(layer=name, differing=int(diff.sum()), elements=int(diff.size),
                          max_abs=float(np.nanmax(gap)) if np.isfinite(gap).any() else float("nan"),
-                         sample=int(first[0]), position=int(first[1]) if diff.ndim > 1 else 0)
+                         sample=int(first[0]), position=int(first[1]) if diff.ndim > 1 else 0,
+                         feature=int(first[-1]) if diff.ndim > 2 else 0)
     return None
 
 

@@ -73,7 +73,7 @@ def test_first_drift_names_the_first_differing_layer():
     b["layer0"][1, 2, 3] = np.float32(-0.0)  # a sign bit: equal as numbers, not as bits
     b["layer1"][0, 0, 0] = 1.0
     d = first_drift(a, b)
-    assert (d.layer, d.differing, d.elements, d.sample, d.position, d.max_abs) == ("layer0", 1, 24, 1, 2, 0.0)
+    assert (d.layer, d.differing, d.elements, d.sample, d.position, d.feature, d.max_abs) == ("layer0", 1, 24, 1, 2, 3, 0.0)
     with pytest.raises(ValueError, match="shape"):
         first_drift({"x": np.zeros((2, 3))}, {"x": np.zeros((2, 4))})
     with pytest.raises(ValueError, match="decode side only"):
