@@ -25,17 +25,17 @@ import zlib
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import grpo_common as G  # noqa: E402
+import grpo_common as G
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import optax  # noqa: E402
-from flax import nnx  # noqa: E402
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
 
-import rlk_xla  # noqa: E402
-from rlk_common.diagnostics import first_drift  # noqa: E402
-from rlk_xla import rollout  # noqa: E402
-from rlk_xla.diagnostics import dlogp_stats  # noqa: E402
+import rlk_xla
+from rlk_common.diagnostics import first_drift
+from rlk_xla import rollout
+from rlk_xla.diagnostics import dlogp_stats
 
 # layers, hidden, heads, intermediate, padded vocab, real vocab
 TINY = (2, 64, 4, 128, 256, 250)

@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import inspect
-import math
 import os
 import sys
 import time
@@ -41,12 +40,11 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import grpo_common as G  # noqa: E402
+import grpo_common as G
 
-import torch_bridge  # noqa: E402
-from rlk_common.diagnostics import CaptureLayers, first_drift  # noqa: E402
-from torch_bridge import rollout, vime  # noqa: E402
-from torch_bridge.diagnostics import dlogp_stats  # noqa: E402
+from rlk_common.diagnostics import CaptureLayers, first_drift
+from torch_bridge import rollout, vime
+from torch_bridge.diagnostics import dlogp_stats
 
 ARMS = {  # arm: (rollout head, trainer head)
     "fused": ("fused", "fused"),
@@ -166,10 +164,11 @@ class Scorer:
 
 
 @torch.no_grad()
-def sample(model, prompts, args, real, gen, scorer, head: str, capture=None):
+def sample(model, prompts, args, real, gen, scorer, head: str):
     """One rollout: completions [n, L], rollout logp [n, L] f32, the decode rows' hidden [n, L, H],
     the nuclei [n, L, V], the LM head's fingerprint as sampled from."""
-    kw = {cache_kw(model): __import__("transformers").DynamicCache(), "use_cache": True}
+    import transformers
+    kw = {cache_kw(model): transformers.DynamicCache(), "use_cache": True}
     fp = fingerprint(model.lm_head.weight)
     toks, logps, hids, keeps = [], [], [], []
     h = model.model(input_ids=prompts, **kw).last_hidden_state[:, -1]
@@ -268,7 +267,8 @@ def drift_layers(model) -> dict:
 
 # ---- the loop -------------------------------------------------------------------------------------
 
-def run(args, tp: TP = TP()):
+def run(args, tp: TP | None = None):
+    tp = tp or TP()
     if args.threads:
         torch.set_num_threads(args.threads)
     roll_head, train_head = ARMS[args.arm]

@@ -17,7 +17,7 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import grpo_common as G  # noqa: E402
+import grpo_common as G
 
 
 def label(run_dir: str) -> str:

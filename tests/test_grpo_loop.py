@@ -16,8 +16,8 @@ pytest.importorskip("transformers", reason="transformers is not installed: the l
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
-import grpo_common as G  # noqa: E402
-from rlk_common.diagnostics import CaptureLayers, first_drift  # noqa: E402
+import grpo_common as G
+from rlk_common.diagnostics import CaptureLayers, first_drift
 
 
 def test_torch_loop_short(tmp_path):

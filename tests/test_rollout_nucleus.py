@@ -17,7 +17,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import torch_bridge
-from rollout_helpers import CAPTURE, REAL, V, capture_size, same_bits, trainer_inputs
+from rollout_helpers import REAL, V, capture_size, same_bits, trainer_inputs
 from subprocs import free_port
 from torch_bridge import rollout
 
@@ -91,7 +91,7 @@ def test_id_outside_the_nucleus_is_minus_inf_and_buffers_are_checked():
 @pytest.mark.parametrize("with_out", [False, True])
 def test_int64_ids_follow_linear_logps_rule(with_out):
     """Issue 44: on main, 2^32 + 5 was scored as id 5 and -2^32 - 100 as padding (logp 0)."""
-    d, kw = trainer_inputs("bf16", len(BIG) + 2)
+    d, _ = trainer_inputs("bf16", len(BIG) + 2)
     ids = torch.tensor([*BIG, 5, rollout.PAD_ID], dtype=torch.int64)
     with torch.no_grad():
         ref = torch_bridge.linear_logp(d["hidden"], d["weight"], ids, real_vocab_size=REAL, validate_targets=False)
