@@ -258,9 +258,11 @@ def grpo_loss(logp, old, ref, adv, clip: float, kl_coef: float):
 
 
 def drift_layers(model) -> dict:
-    """The modules whose outputs the drift capture compares, in forward order."""
+    """The modules whose outputs the drift capture compares, in forward order: the embedding, per
+    decoder layer its attention, its MLP and its output, the final norm."""
     mods = {"embed": model.model.embed_tokens}
-    mods.update({f"layer{i}": layer for i, layer in enumerate(model.model.layers)})
+    for i, layer in enumerate(model.model.layers):
+        mods.update({f"layer{i}.attn": layer.self_attn, f"layer{i}.mlp": layer.mlp, f"layer{i}": layer})
     mods["norm"] = model.model.norm
     return mods
 

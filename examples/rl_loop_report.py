@@ -44,17 +44,34 @@ def table(runs: dict) -> str:
     return "\n".join(lines)
 
 
+def trailing(x: np.ndarray, k: int = 10) -> np.ndarray:
+    c = np.cumsum(x)
+    return (c - np.concatenate([np.zeros(k), c])[:len(c)]) / np.minimum(np.arange(1, len(c) + 1), k)
+
+
 def spread(runs: dict) -> str:
-    """Per arm over its seeds: the final reward's mean and spread, and the largest gap between two
-    arms' seed-mean reward curves (10-step means) against the seeds' spread."""
+    """Per arm over its seeds: the final reward (mean of the last 20 steps) and its range; for two arms
+    with several seeds, how far apart their seed-mean reward curves (trailing 10-step means) get,
+    against the range of each arm's seeds at the same step."""
     arms: dict = {}
     for name, rows in runs.items():
-        arms.setdefault(name.rsplit(" s", 1)[0], []).append(np.array([r["reward"] for r in rows]))
+        arms.setdefault(name.rsplit(" s", 1)[0], []).append(trailing(np.array([r["reward"] for r in rows])))
     out = []
     for arm, curves in arms.items():
         ends = [c[-20:].mean() for c in curves]
         out.append(f"- {arm}: {len(curves)} seed(s), final reward {np.mean(ends):.3f} "
                    f"(min {np.min(ends):.3f}, max {np.max(ends):.3f})")
+    multi = {a: np.stack(c) for a, c in arms.items() if len(c) > 1 and len({len(x) for x in c}) == 1}
+    names = list(multi)
+    for i, a in enumerate(names):
+        for b in names[i + 1:]:
+            if multi[a].shape != multi[b].shape:
+                continue
+            gap = np.abs(multi[a].mean(0) - multi[b].mean(0))
+            rng = np.maximum(np.ptp(multi[a], 0), np.ptp(multi[b], 0))
+            out.append(f"- {a} vs {b}: seed-mean curves apart by at most {gap.max():.3f} (step "
+                       f"{int(gap.argmax())}); the seeds' range there {rng[gap.argmax()]:.3f}; steps where the gap "
+                       f"exceeds the seeds' range: {int((gap > rng).sum())} of {gap.size}")
     return "\n".join(out)
 
 
