@@ -257,6 +257,29 @@ def grpo_loss(logp, old, ref, adv, clip: float, kl_coef: float):
     return loss, float(clipped), float(kl.detach().mean())
 
 
+class Optimizer:
+    """AdamW on the model's parameters; for 16-bit models on fp32 main copies (as Megatron's
+    bf16 training keeps them): the gradients are read in fp32, the step taken on the copies and
+    the result rounded into the model's parameters."""
+
+    def __init__(self, model, lr: float):
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.main = None
+        if any(p.dtype != torch.float32 for p in self.params):
+            self.main = [p.detach().float().requires_grad_() for p in self.params]
+        self.opt = torch.optim.AdamW(self.main or self.params, lr=lr, weight_decay=0.0)
+
+    @torch.no_grad()
+    def step(self) -> None:
+        if self.main is not None:
+            for m, p in zip(self.main, self.params):
+                m.grad = None if p.grad is None else p.grad.float()
+        self.opt.step()
+        if self.main is not None:
+            for m, p in zip(self.main, self.params):
+                p.copy_(m)
+
+
 def drift_layers(model) -> dict:
     """The modules whose outputs the drift capture compares, in forward order: the embedding, per
     decoder layer its attention, its MLP and its output, the final norm."""
@@ -277,7 +300,7 @@ def run(args, tp: TP | None = None):
     real = PRESETS[args.preset][7]
     model = build_model(args, args.seed)
     ref_model = build_model(args, args.seed).requires_grad_(False)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+    opt = Optimizer(model, args.lr)
     gen = torch.Generator(device=args.device).manual_seed(args.seed + 1)
     data = np.random.default_rng(args.seed + 2)
     n = args.prompts * args.group
@@ -313,7 +336,7 @@ def run(args, tp: TP | None = None):
             if epoch == 0:
                 b_logp, train_acts = logp.detach(), {k: v[0][:, :-1] for k, v in tr.calls.items() if v}
             loss, clipped, kl = grpo_loss(logp, roll_logp, ref, adv, args.clip, args.kl_coef)
-            opt.zero_grad(set_to_none=True)
+            model.zero_grad(set_to_none=True)
             loss.backward()
             if tp.size > 1:  # each rank's head gradient covers its vocab shard only
                 torch.distributed.all_reduce(model.lm_head.weight.grad, group=tp.group)

@@ -25,7 +25,9 @@ def label(run_dir: str) -> str:
         a = json.load(f)
     frontend = "jax" if "grpo_jax" in " ".join(a.get("argv", [])) else "torch"
     tp = a.get("tp", 1)
-    return f"{frontend} {a.get('arm', 'fused')}" + (f" tp{tp}" if tp > 1 else "") + f" s{a['seed']}"
+    extra = [x for x in (a.get("preset", "tiny"), a.get("dtype", "float32")) if x not in ("tiny", "float32")]
+    extra += [f"tp{tp}"] if tp > 1 else []
+    return " ".join([frontend, a.get("arm", "fused"), *extra, f"s{a['seed']}"])
 
 
 def table(runs: dict) -> str:
