@@ -104,7 +104,7 @@ def summary(rows: list[dict], first: int = 20, last: int = 20) -> dict:
     out = {"steps": len(rows), "reward_start": float(col("reward")[:first].mean()),
            "reward_end": float(col("reward")[-last:].mean()),
            "step_s": float(np.median(col("step_s"))),
-           "fallback_total": int(col("fallback_total").sum()),
+           "fallback_total": int(rows[-1]["fallback_total"]),  # counted since the run's start
            "fingerprints_equal": all(r["fingerprint_rollout"] == r["fingerprint_trainer"] for r in rows),
            "loss_finite": bool(np.isfinite(col("loss")).all())}
     for part in ("a", "b"):

@@ -167,6 +167,7 @@ def run(args):
     key = jax.random.key(args.seed + 1)
     log = G.StepLog(args.out, vars(args))
     bar = G.Progress(args.steps, f"grpo_jax seed {args.seed}")
+    rlk_xla.reset_route_stats()
     for step in range(args.steps):
         t0 = time.perf_counter()
         p_np = np.repeat(G.prompts(data, args.prompts, p, real), args.group, axis=0)
