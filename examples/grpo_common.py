@@ -114,8 +114,10 @@ def summary(rows: list[dict], first: int = 20, last: int = 20) -> dict:
                      "mean_abs": float((col("rlk_dlogp_mean_abs", part) * tok).sum() / tok.sum()),
                      "max_abs": float(col("rlk_dlogp_max_abs", part).max()),
                      "approx_kl": float((col("rlk_dlogp_approx_kl", part) * tok).sum() / tok.sum())}
-    drift = [r["drift"] for r in rows if r.get("drift")]
-    out["first_drift"] = drift[0]["layer"] if drift else None
+    drift = [r for r in rows if r.get("drift")]
+    checked = sum(bool(r.get("drift_checked")) for r in rows)
+    out["first_drift"] = f"{drift[0]['drift']['layer']} (step {drift[0]['step']})" if drift else None
+    out["drift_steps"] = f"{len(drift)} of {checked}"
     return out
 
 

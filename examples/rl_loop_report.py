@@ -33,7 +33,7 @@ def label(run_dir: str) -> str:
 def table(runs: dict) -> str:
     cols = ["run", "reward first 20 -> last 20", "(a) mismatch rate", "(a) mean / max \\|dlogp\\|", "(a) KL",
             "(b) mismatch rate", "(b) mean / max \\|dlogp\\|", "(b) KL", "step s", "fallbacks", "fingerprints equal",
-            "first drift"]
+            "first drift", "steps drifting / captured"]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for name, rows in runs.items():
         s = G.summary(rows)
@@ -42,7 +42,7 @@ def table(runs: dict) -> str:
                      f"{a['mean_abs']:.2e} / {a['max_abs']:.2e} | {a['approx_kl']:.1e} | {b['mismatch_rate']:.3g} | "
                      f"{b['mean_abs']:.2e} / {b['max_abs']:.2e} | {b['approx_kl']:.1e} | {s['step_s']:.3f} | "
                      f"{s['fallback_total']} | {'yes' if s['fingerprints_equal'] else 'NO'} | "
-                     f"{s['first_drift'] or 'none'} |")
+                     f"{s['first_drift'] or 'none'} | {s['drift_steps']} |")
     return "\n".join(lines)
 
 
