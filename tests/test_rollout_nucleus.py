@@ -159,3 +159,44 @@ def test_jax_int64_ids_follow_linear_logps_rule():
     # and the torch engine's rows are the JAX trainer's
     t = rollout.score_sampled(d["hidden"], d["weight"], torch.tensor([*BIG, 5, rollout.PAD_ID]), real_vocab_size=REAL)
     assert np.array_equal(t.numpy().view(np.uint32), got.view(np.uint32))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
+def test_gpu_nucleus_in_a_cuda_graph_equals_trainer_rows():
+    """score_sampled with a keep mask and int64 ids (clamped into the buffers) captured as one CUDA
+    graph at Qwen's padded vocab: replays give the trainer's masked rows bit for bit, and the
+    out-of-range ids NaN rows, with no host sync in the eager call."""
+    import _rlk_core
+    if not _rlk_core.has_cuda:
+        pytest.skip("this build of _rlk_core has no CUDA backend")
+    v, real = 151936, 151643
+    d, kw = trainer_inputs("bf16_temp_array_bias_entropy", 64, "cuda", h=1024, v=v, real=real)
+    keep = nucleus({k: x.cpu() for k, x in d.items()}, kw).cuda()
+    ref_logp, ref_ent = trainer_rows(d, kw, keep)
+    w, b, t = d["weight"], kw["bias"], kw["temperature"]
+    static = dict(h=d["hidden"].clone(), ids=d["targets"].clone(), keep=keep.clone(), t=t.clone())
+    bufs = rollout.score_buffers(64, w, bias=b, return_entropy=True, nucleus=True)
+
+    def step():
+        return rollout.score_sampled(static["h"], w, static["ids"], temperature=static["t"], bias=b,
+                                     real_vocab_size=real, return_entropy=True, keep_mask=static["keep"], out=bufs)
+
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        step()
+    static["h"].zero_(), static["keep"].zero_()
+    static["h"].copy_(d["hidden"]), static["keep"].copy_(keep)
+    g.replay()
+    torch.cuda.synchronize()
+    assert same_bits(bufs.logp, ref_logp) and same_bits(bufs.entropy, ref_ent)
+    static["ids"][:2] = torch.tensor([2 ** 32 + 5, -(2 ** 32) - 100], device="cuda")
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.isnan(bufs.logp[:2]).all() and same_bits(bufs.logp[2:], ref_logp[2:])
