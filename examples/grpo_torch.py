@@ -360,7 +360,7 @@ def run(args, tp: TP | None = None):
             row["replicas_equal"] = len(set(fps)) == 1
         if lead:
             log.write(row)
-        bar(step, reward=row["reward"], a=a.mismatches, b=b.mismatches, loss=row["loss"])
+            bar(step, reward=row["reward"], a=a.mismatches, b=b.mismatches, loss=row["loss"])
     if lead:
         log.close()
         if not args.no_plot:
