@@ -26,7 +26,6 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import grpo_common as G
-
 import jax
 import jax.numpy as jnp
 import optax

@@ -17,6 +17,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
 import grpo_common as G
+
 from rlk_common.diagnostics import CaptureLayers, first_drift
 
 
