@@ -22,6 +22,8 @@ from typing import Any, Optional
 import torch
 
 from . import _ops
+from rlk_common import real_vocab as real_vocab_rule
+
 from ._args import chunk_of, id_rule, int32_targets
 
 F32 = torch.float32
@@ -33,12 +35,13 @@ def logp_from_logits(logits, targets, *, keep_mask=None, vocab_start=0, real_voc
     """(logp [n] f32, entropy [n] f32 or None) of softmax(logits) at targets; differentiable in
     logits. logits: [n, V_local] floating (this rank's contiguous shard when tp_group is given:
     vocab_start = rank * V_local); targets [n] global ids (ignore_index rows give 0, ids outside
-    [0, real_vocab) NaN); real_vocab defaults to the padded V_local * TP, ids at or above it are
+    [0, real_vocab) NaN); real_vocab in [1, V_local * TP] (the fused route's rule: an id with no
+    logit column is refused, never scored), default the padded V_local * TP, ids at or above it are
     padding; keep_mask: [n, V_local] bool or None."""
     n, v = logits.shape
     tp = 1 if tp_group is None else torch.distributed.get_world_size(tp_group)
     rule = id_rule(targets, int(ignore_index))
-    cfg = _Cfg(vocab_start=int(vocab_start), real_vocab=int(v * tp if real_vocab is None else real_vocab),
+    cfg = _Cfg(vocab_start=int(vocab_start), real_vocab=real_vocab_rule(real_vocab, v * tp),
                v_global=v * tp, ignore_index=rule.ignore, group=tp_group if tp > 1 else None,
                with_entropy=bool(with_entropy))
     t32 = int32_targets(targets.reshape(n), rule)
