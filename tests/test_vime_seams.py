@@ -26,7 +26,7 @@ MODES = ("auto", "strict", "audit")
 
 @pytest.fixture(autouse=True)
 def fresh(monkeypatch):
-    for k in ("RLK_MODE", "RL_KERNEL_MODE", vime.ROUTE_ENV):
+    for k in ("RLK_MODE", "RL_KERNEL_MODE", "RLK_VIME_ROUTE"):
         monkeypatch.delenv(k, raising=False)
     vime.reset_stats()
     yield
@@ -363,7 +363,7 @@ def test_route_follows_reuse_local_logits_and_the_switch(monkeypatch):
     res = vime_side.compute(req, vime_mode="strict")[2]
     assert res.provenance["route"] == "logits" and "context.reuse_local_logits" in res.provenance["route_reason"]
     assert res.backend_id == "rlk.logits.cpu"
-    monkeypatch.setenv(vime.ROUTE_ENV, "recompute")  # the env var forces either
+    monkeypatch.setenv("RLK_VIME_ROUTE", "recompute")  # the env var forces either
     assert vime_side.compute(req, vime_mode="strict")[2].provenance["route"] == "fused"
     req.metadata["rlk_route"] = "reuse"  # the request's metadata wins over the env
     res = vime_side.compute(req, vime_mode="strict")[2]
