@@ -46,7 +46,6 @@ def _sequence_parallel(rank, group, signal):
     """(dh of this rank's rows, dw of its shard, provenance) or the error's text."""
     import vime_side
     from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
-    from torch_bridge import vime
     hidden, weight, _, targets, g, e = _inputs()
     rows, shard = slice(rank * T // TP, (rank + 1) * T // TP), slice(rank * V // TP, (rank + 1) * V // TP)
     mine = hidden[rows].clone().requires_grad_()
@@ -75,7 +74,6 @@ def _sequence_parallel(rank, group, signal):
 def _nucleus(rank, group, route):
     """logp, entropy and the native path's logp of the sparse nucleus at this rank's shard."""
     import vime_side
-    from torch_bridge import vime  # noqa: F401
     hidden, weight, _, targets, *_ = _inputs(torch.float32)
     shard = slice(rank * V // TP, (rank + 1) * V // TP)
     w = weight[shard].clone().requires_grad_()

@@ -8,39 +8,58 @@ chunk_size, log_prob_keep_mask, temperature, metadata) and returns a Result with
 vime's validation reads (logp [T, 1] f32, entropy [T] f32 or None, backend_id, contract_id,
 provenance).
 
-Routes, chosen per request:
-- "fused": the context (the output layer's input hidden [T, H], this rank's weight [V_local, H]
-  and bias, the vocab partition) through our kernels; no logits. Used whenever the context is
-  there and usable, also when the request carries the logits too (provenance says so). A top-p
-  keep mask goes into the kernels (CPU and CUDA).
-- "logits": the request's local logits through torch_bridge.logits (canonical-chunk statistics,
-  no second projection). Used without a usable context.
-- "reference": materialized fp32 logits and log_softmax (mode off, and audit's comparison).
-Temperature, as vime means it: the request's logits are already divided by the rollout
-temperature (metadata["logits_are_temperature_scaled"], default True; False: divided here), the
-context route divides hidden @ W^T (+ b) by it once, in the kernels.
-chunk_size: vime's token-row chunk (-1: none; k > 0: rows in chunks of k), which bounds the
-[rows, V_local] fp32 temporaries of a logits path. The logits and reference routes run their rows in
-such chunks; the fused route has no such temporaries and runs unchunked (chunks would only round
-dW to the weight's dtype once per chunk). Every route is row independent: any row split gives the
-same bits.
+Never silently wrong: a request is served with vime's native numbers (within the dtype's rounding)
+or refused with a ValueError/TypeError naming the request field and the fix (never vime's
+unavailable marker for a malformed or contradictory request; never an AttributeError).
 
-Modes (argument `mode`, else env RLK_MODE, else auto):
-- off: the reference route.
-- auto: fused or logits; when neither can serve the request, raises ProviderUnavailable, which
-  carries vime's marker (linear_logp_provider_unavailable = True): vime's auto then runs its native
-  path, vime's strict raises.
-- strict: like auto, but unavailability raises StrictUnavailable (no marker: it fails in every vime
-  mode), and the result is checked: rows, dtype and device against the request, entropy present
-  when asked, attached to autograd when the inputs require grad, the kernel that ran on the
-  request's device.
-- audit: everything strict does, plus the reference on the same inputs: |dlogp| recorded
-  (stats()["audit"]) and a row beyond AUDIT_MAX_ABS_DLOGP (or a NaN/inf pattern that differs)
-  raises.
-Every mode checks the result's rows and device against the request. The route, backend and
-contract are logged once per change through logging.getLogger("rlk"), never per call.
-A tensor temperature is never read on the host: the fused path is CUDA-graph capturable (modes
-auto and strict; audit compares on the host).
+Routes (docs/vime.md: which to pick, and their measured price):
+- "fused" (recompute from the context): context.hidden [T, H] (the output layer's exact input),
+  this rank's weight [V_local, H] and bias and the vocab partition, through our kernels: the bits
+  the rollout's score_sampled gives. The default whenever the context is usable. When the request
+  also carries logits (vime always does), they are checked against the context, never used:
+  (hidden @ W^T + b) / temperature on SAMPLE_ROWS sampled rows (auto, strict; every row in audit)
+  within a tolerance from the dtypes (check_agreement).
+- "logits" (reuse): the request's logits, or context.local_logits (the LM head's own, divided by
+  the temperature here), through torch_bridge.logits: no second projection, TP and batch invariant
+  over those logits. Chosen by context.reuse_local_logits (RL-Kernel's flag), by the switch, or
+  when the context is missing or unusable.
+The switch: request.metadata["rlk_route"], else env RLK_VIME_ROUTE: "auto" | "reuse" |
+"recompute" (a forced route that cannot serve raises ValueError). provenance["route_reason"] and
+["route_switch_source"] say which route ran and why; stats()["backend_ids"] counts them.
+Temperature, as vime means it: the request's logits are divided by the rollout temperature
+(metadata["logits_are_temperature_scaled"], default True; False, as vime's sparse top-p replay
+sends them: divided here). The fused route divides hidden @ W^T (+ b) by request.temperature once,
+in the kernels; pre-scaled logits with no temperature are refused on that route (no guessing).
+The nucleus: log_prob_keep_mask [T, V_local] bool, or metadata["top_p_sparse_token_ids"] [T, K]
+global ids, -1 padded (a row of only -1 keeps everything), turned into this rank's keep mask;
+logp renormalized over the kept ids (a target outside: -inf), the entropy unmasked.
+Sequence parallelism: when context.hidden is the output of megatron-core's sequence-parallel
+gather (whose backward reduce-scatters dH), dH must not be all-reduced again. Signal:
+context.sequence_parallel or metadata["sequence_parallel"]; without one, the gather is looked for in
+hidden's autograd history; a signal False against a found gather is refused.
+Metadata that contradicts the request (real_vocab_size / padded_vocab_size against the partition or
+V_local x TP, tp_rank / tp_world_size against the group, cp_* against token_layout) is refused,
+and so are keys that change the math and are not served (_UNSERVED_KEYS).
+chunk_size: vime's token-row chunk (-1: none; k > 0: rows in chunks of k), which bounds the
+[rows, V_local] fp32 temporaries of the logits route; the fused route has no such temporaries and
+runs unchunked. Every route is row independent: any row split gives the same bits.
+
+Modes (argument `mode`, else env RLK_MODE, else env RL_KERNEL_MODE (vime's launcher), else auto):
+- off: the provider declares itself unavailable (vime's marker): vime's auto runs its native path.
+- auto: fused or logits; when neither can serve, ProviderUnavailable (the marker): vime's auto runs
+  its native path, vime's strict raises.
+- strict: like auto, but unavailability raises StrictUnavailable (no marker), and the result is
+  checked: fp32, entropy present when asked, attached to autograd when the inputs require grad,
+  the kernel that ran on the request's device; the values (logp <= 0 and not NaN, -inf only under
+  a nucleus, entropy in [0, log V]); logp on the sampled rows against the reference on the same
+  inputs (AUDIT_MAX_ABS_DLOGP).
+- audit: strict's checks on every row, recorded in stats()["audit"]; the logits' agreement with the
+  context on every row.
+Every mode checks the result's rows and device, and refuses a logp detached from autograd while
+request.logits require grad (a lost policy gradient). The route, backend and contract are logged
+once per change through logging.getLogger("rlk"), never per call. Checks that read values on the
+host are skipped inside CUDA graph capture (provenance["checks"] says so); a tensor temperature is
+never read on the host.
 """
 from __future__ import annotations
 
