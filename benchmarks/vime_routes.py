@@ -13,7 +13,8 @@ Routes, as vime runs them (with_entropy, entropy without gradient; temperature 0
 - hidden_only: the vime-side change of docs/vime.md (Megatron returns hidden states,
                torch_bridge.megatron.hidden_states_only): no logits at all, the fused kernels.
 Each route runs in its own process (CPU peak memory is the process's high-water mark, ru_maxrss,
-above the RSS before the stage; CUDA: torch.cuda.max_memory_allocated above the allocation before).
+above the RSS before the first stage; CUDA: torch.cuda.max_memory_allocated above the allocation
+before it), the inputs and the weight excluded.
 Time: the median of --reps runs after one warm-up. Prints a markdown table; --out writes JSON.
 """
 from __future__ import annotations
@@ -74,13 +75,13 @@ def child(args):
     targets = torch.randint(0, v, (t,), device=dev)
     g = torch.randn(t, device=dev)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
-    _stage(args.route, h, w, targets, g)  # warm-up
     sync()
     if dev.type == "cuda":
         base = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
-    else:
+    else:  # large buffers are mmapped: freed ones leave the RSS, the high-water mark stays
         base = _rss()
+    _stage(args.route, h, w, targets, g)  # warm-up (its peak counts: the same stage)
     times = []
     for _ in range(args.reps):
         sync()
