@@ -368,7 +368,11 @@ def test_route_follows_reuse_local_logits_and_the_switch(monkeypatch):
     req.metadata["rlk_route"] = "reuse"  # the request's metadata wins over the env
     res = vime_side.compute(req, vime_mode="strict")[2]
     assert res.provenance["route"] == "logits" and res.provenance["route_switch_source"] == "metadata['rlk_route']"
-    assert vime.stats()["backend_ids"] == {"rlk.fused.cpu": 2, "rlk.logits.cpu": 2}
+    s = vime.stats()
+    assert s["backend_ids"] == {"rlk.fused.cpu": 2, "rlk.logits.cpu": 2}
+    assert sum(s["route_reasons"].values()) == 4 and all(k.split(":")[0] in ("fused", "logits")
+                                                         for k in s["route_reasons"])
+    assert any("context.reuse_local_logits" in k for k in s["route_reasons"])
     req.metadata["rlk_route"] = "fast"
     with pytest.raises(ValueError, match="rlk_route"):
         vime.provider(req)

@@ -63,6 +63,7 @@ never read on the host.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import math
@@ -641,7 +642,7 @@ def _check_values(r: _Req, logp, ent) -> None:
     if bool(bad.any()):
         i = int(bad.nonzero()[0])
         raise RuntimeError(f"strict: row {i}: logp {float(lp[i])}" +
-                           ("" if ent is None else f", entropy {float(ent[i])}") +
+                           ("" if ent is None else f", entropy {float(ent.detach()[i])}") +
                            f" is not a log-probability (logp <= 0, entropy in [0, log {real}]); "
                            f"{int(bad.sum())} rows in all: a NaN in the inputs or a bug; mode audit compares all rows")
 
@@ -710,14 +711,19 @@ def _provenance(r: _Req, mode: str, route: str, why: str, kernel, **extra) -> di
 _log = RequestLog()
 _lock = threading.Lock()
 _logged: set = set()
+_reasons: collections.Counter = collections.Counter()  # served requests per (route, why)
 
 
-def _note(mode: str, tokens: int, backend_id: Optional[str], contract: Optional[str], reason: Optional[str]) -> None:
-    """Count one request (served as backend_id, or not for `reason`) and log each new combination once."""
+def _note(mode: str, tokens: int, backend_id: Optional[str], contract: Optional[str], reason: Optional[str],
+          why: Optional[str] = None) -> None:
+    """Count one request (served as backend_id for `why`, or not for `reason`) and log each new
+    combination once."""
     if reason is not None:
         _log.count_fallback(reason)
     _log.count_request(mode, tokens, backend_id)
     with _lock:
+        if why is not None:
+            _reasons[why] += 1
         key = (mode, backend_id, contract, reason)
         new = key not in _logged
         _logged.add(key)
@@ -730,15 +736,22 @@ def _note(mode: str, tokens: int, backend_id: Optional[str], contract: Optional[
 def stats() -> dict:
     """What to log per step, since the last reset: the frontends' route statistics schema
     (rlk_common.routes.RouteLog.stats) with the provider's extra keys requests, backend_ids and
-    modes. fallbacks / fallback_total: the requests none of our routes served (vime's auto ran its
-    native path for them); reference: mode off's requests; audit: the audit mode's comparisons."""
-    return _log.stats(core)
+    modes, and route_reasons (served requests per route and the reason it was chosen, the
+    provenance's route_reason). fallbacks / fallback_total: the requests none of our routes served
+    (vime's auto ran its native path for them; mode off's as "mode off"); audit: the audit mode's
+    comparisons."""
+    out = _log.stats(core)
+    with _lock:
+        out["route_reasons"] = dict(_reasons)
+    return out
 
 
 def reset_stats() -> None:
     """Zero the counters, the compiled module's too (as reset_route_stats does). The log lines
     are not repeated after a reset: a combination is logged once per process."""
     _log.reset(core)
+    with _lock:
+        _reasons.clear()
 
 
 def _capturing(r: _Req) -> bool:
@@ -818,7 +831,7 @@ def provider(request, mode: Optional[str] = None) -> Result:
         checks += ", reference on every row"
     backend_id = f"rlk.{route}.{kernel or r.device.type}"
     contract = contract_id(r, route, kernel)
-    _note(mode, r.n, backend_id, contract, None)
+    _note(mode, r.n, backend_id, contract, None, f"{route}: {why}")
     return Result(logp, ent, backend_id, contract, _provenance(r, mode, route, why, kernel, checks=checks, **extra))
 
 
