@@ -63,7 +63,6 @@ never read on the host.
 """
 from __future__ import annotations
 
-import collections
 import dataclasses
 import logging
 import math
@@ -711,7 +710,6 @@ def _provenance(r: _Req, mode: str, route: str, why: str, kernel, **extra) -> di
 _log = RequestLog()
 _lock = threading.Lock()
 _logged: set = set()
-_reasons: collections.Counter = collections.Counter()  # served requests per (route, why)
 
 
 def _note(mode: str, tokens: int, backend_id: Optional[str], contract: Optional[str], reason: Optional[str],
@@ -720,10 +718,8 @@ def _note(mode: str, tokens: int, backend_id: Optional[str], contract: Optional[
     combination once."""
     if reason is not None:
         _log.count_fallback(reason)
-    _log.count_request(mode, tokens, backend_id)
+    _log.count_request(mode, tokens, backend_id, why)
     with _lock:
-        if why is not None:
-            _reasons[why] += 1
         key = (mode, backend_id, contract, reason)
         new = key not in _logged
         _logged.add(key)
@@ -740,18 +736,13 @@ def stats() -> dict:
     provenance's route_reason). fallbacks / fallback_total: the requests none of our routes served
     (vime's auto ran its native path for them; mode off's as "mode off"); audit: the audit mode's
     comparisons."""
-    out = _log.stats(core)
-    with _lock:
-        out["route_reasons"] = dict(_reasons)
-    return out
+    return _log.stats(core)
 
 
 def reset_stats() -> None:
     """Zero the counters, the compiled module's too (as reset_route_stats does). The log lines
     are not repeated after a reset: a combination is logged once per process."""
     _log.reset(core)
-    with _lock:
-        _reasons.clear()
 
 
 def _capturing(r: _Req) -> bool:
