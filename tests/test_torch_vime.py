@@ -345,3 +345,21 @@ def test_a_partition_that_is_not_megatrons_is_unavailable():
     vp.local_start, vp.local_size = 10, 90
     with pytest.raises(ValueError, match="local_size"):
         vime.provider(req)
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_logits_route_row_blocks_give_the_same_bits(monkeypatch, masked):
+    """torch_bridge.logits runs its [rows, V_local] temporaries in row blocks (bounded memory): blocks
+    of 7 rows give one pass's bits, values and gradients, with padding and a nucleus."""
+    from torch_bridge import logits as lg
+    x = _inputs(11, n=40, dtype="float32", temp=0.9, real=290)
+    keep = _keep(12, x[3], 300, x=x) if masked else None
+    runs = []
+    for elements in (lg.ROW_BLOCK_ELEMENTS, 7 * 300):
+        monkeypatch.setattr(lg, "ROW_BLOCK_ELEMENTS", elements)
+        runs.append(_serve(*x, route="logits", keep=keep, real=290, vime_mode="strict"))
+    for a, b in zip(runs[0][:2], runs[1][:2]):
+        assert torch.equal(a, b)
+    for a, b in zip(runs[0][2], runs[1][2]):
+        assert torch.equal(a, b)
+    _check(*runs[1][:3], _oracle(*x, keep=keep, real=290), "float32", "row blocks")
