@@ -112,7 +112,7 @@ class Result:
 ROUTE_ENV = "RLK_VIME_ROUTE"     # auto | reuse | recompute (request.metadata["rlk_route"] wins)
 ROUTE_CHOICES = ("auto", "reuse", "recompute")
 # metadata keys that change the math and that no route serves: refused, never ignored
-_UNSERVED_KEYS = ("top_p_token_ids", "top_p_token_offsets", "top_k", "min_p", "top_p_dense_mask")
+_UNSERVED_KEYS = ("top_p_token_ids", "top_p_token_offsets", "top_k", "min_p")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -426,15 +426,18 @@ def _logits_unavailable(r: _Req) -> Optional[str]:
 def _route(r: _Req) -> tuple:
     """(route, why, r to run) or (None, why none can serve, r). The switch (metadata["rlk_route"],
     else env RLK_VIME_ROUTE) forces a route; a forced route that cannot serve raises ValueError.
-    Otherwise context.reuse_local_logits selects reuse, and without it the context is used."""
+    Otherwise context.reuse_local_logits selects reuse (unavailable if the logits route cannot
+    serve), and without it the context is used."""
     reuse = r.route_switch == "reuse" or (r.route_switch == "auto" and r.reuse_flag)
     if reuse:
         src = r.switch_source if r.route_switch == "reuse" else "context.reuse_local_logits"
         if r.local_logits is not None:  # the LM head's own logits: divided by the temperature here
             r = dataclasses.replace(r, logits=r.local_logits, logits_scaled=False)
         why = _logits_unavailable(r)
+        if why is not None and r.route_switch == "reuse":
+            raise ValueError(f"{src} = 'reuse', but the logits route cannot serve this request: {why}")
         if why is not None:
-            raise ValueError(f"{src} asks to reuse the logits, but the logits route cannot serve this request: {why}")
+            return None, f"{src} asks to reuse the logits; logits route: {why}", r
         used = "context.local_logits" if r.local_logits is not None else "request.logits"
         return "logits", f"reuse {used} ({src}): no second projection", r
     fused = _fused_unavailable(r)
