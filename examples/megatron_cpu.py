@@ -112,8 +112,6 @@ def worker(rank: int, tp: int, port: int) -> None:
         print(f"rank {rank}: max |logp - Megatron's| after one step = {diff:.2e}", flush=True)
         if diff > 1e-4:
             raise SystemExit(f"rank {rank}: logp differs from Megatron's by {diff}")
-        if rank == 0:
-            print("ok", flush=True)
     finally:
         dist.destroy_process_group()
 
@@ -131,6 +129,7 @@ def main():
     else:
         import torch.multiprocessing as mp
         mp.spawn(worker, args=(args.tp, port), nprocs=args.tp, join=True)
+    print("ok", flush=True)  # every rank's step matched Megatron's
 
 
 if __name__ == "__main__":
