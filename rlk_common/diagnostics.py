@@ -50,8 +50,10 @@ class DlogpStats:
 
     def as_dict(self, prefix: str = PREFIX) -> dict[str, Any]:
         """Flat {name: int | float} for a metrics logger; the worst token's fields are -1 / 0.0 when
-        there is none (no kept token, or every dlogp non-finite)."""
+        there is none (no kept token, or every dlogp non-finite). Also under RL-Kernel's names
+        (mismatch_count = mismatches, max_abs_diff = max_abs), so its validation scripts read it."""
         out = {f"{prefix}{f.name}": getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "worst"}
+        out.update({f"{prefix}mismatch_count": self.mismatches, f"{prefix}max_abs_diff": self.max_abs})
         w = self.worst
         out.update({f"{prefix}worst_sample": -1 if w is None else w.sample,
                     f"{prefix}worst_position": -1 if w is None else w.position,

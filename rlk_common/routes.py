@@ -163,7 +163,7 @@ class RouteLog:
 
 class RequestLog(RouteLog):
     """The vime provider's route log: RouteLog's schema plus its requests (the extra keys
-    requests, backend_ids and modes of RouteLog.stats)."""
+    requests, backend_ids, modes and route_reasons of RouteLog.stats)."""
 
     def _clear(self) -> None:
         super()._clear()
@@ -171,10 +171,11 @@ class RequestLog(RouteLog):
             self._requests = {"calls": 0, "tokens": 0}
             self._backend_ids: collections.Counter = collections.Counter()
             self._modes: collections.Counter = collections.Counter()
+            self._route_reasons: collections.Counter = collections.Counter()
 
-    def count_request(self, mode: str, tokens: int, backend_id: str | None) -> None:
-        """One request over `tokens` rows in `mode`, served as `backend_id` (None: not served; its
-        reason goes to count_fallback)."""
+    def count_request(self, mode: str, tokens: int, backend_id: str | None, why: str | None = None) -> None:
+        """One request over `tokens` rows in `mode`, served as `backend_id` for the route reason
+        `why` (backend_id None: not served; its reason goes to count_fallback)."""
         with self._lock:
             self._requests["calls"] += 1
             self._requests["tokens"] += int(tokens)
@@ -182,9 +183,12 @@ class RequestLog(RouteLog):
             if backend_id is not None:
                 self._backend_ids[backend_id] += 1
                 self._backend_id = backend_id
+            if why is not None:
+                self._route_reasons[why] += 1
 
     def stats(self, core) -> dict:
         out = super().stats(core)
         with self._lock:
-            out.update(requests=dict(self._requests), backend_ids=dict(self._backend_ids), modes=dict(self._modes))
+            out.update(requests=dict(self._requests), backend_ids=dict(self._backend_ids), modes=dict(self._modes),
+                       route_reasons=dict(self._route_reasons))
         return out

@@ -53,7 +53,7 @@ def test_the_vime_provider_returns_the_common_schema_and_its_extra_keys():
     s = vime.stats()
     common = RouteLog().stats(FakeCore({}))
     assert _keys({k: v for k, v in s.items() if k in common}) == _keys(common)
-    assert sorted(set(s) - set(common)) == ["backend_ids", "modes", "requests"]
+    assert sorted(set(s) - set(common)) == ["backend_ids", "modes", "requests", "route_reasons"]
     assert s["requests"] == {"calls": 0, "tokens": 0} and s["fallback_total"] == 0 and s["backend_id"] is None
 
 

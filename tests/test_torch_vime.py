@@ -91,7 +91,11 @@ def _serve(hidden, weight, bias, targets, temp, g, e, *, route, vime_mode="auto"
         if route in ("context", "both") else {}
     req = vime_side.request(targets, logits=logits, temperature=temp, keep_mask=keep, chunk_size=chunk,
                             metadata={"logits_are_temperature_scaled": True, "real_vocab_size": real}, **ctx)
-    logp, ent, res = vime_side.compute(req, vime_mode=vime_mode)
+    if logits is None:  # not a request vime builds (it always sends logits): our provider's own contract
+        res = vime.provider(req, {"auto": None}.get(vime_mode, vime_mode))
+        logp, ent = res.logp, res.entropy
+    else:
+        logp, ent, res = vime_side.compute(req, vime_mode=vime_mode)
     loss = (logp[:, 0].nan_to_num(0.0, 0.0, 0.0) * g).sum() + (ent * e).sum()
     grads = torch.autograd.grad(loss, [h, w, b])
     return logp, ent, grads, res
@@ -105,15 +109,23 @@ def _serve(hidden, weight, bias, targets, temp, g, e, *, route, vime_mode="auto"
 def test_every_mode_behind_vime(monkeypatch, mode, vime_mode, dtype):
     monkeypatch.setenv("RLK_MODE", mode)
     x = _inputs(1, dtype=dtype, temp="tensor", real=290)
+    if mode == "off":  # vime's marker: its auto runs the native path, its strict raises
+        if vime_mode == "strict":
+            with pytest.raises(RuntimeError, match="unavailable"):
+                _serve(*x, route="both", vime_mode=vime_mode)
+        else:
+            logp, ent, grads, res = _serve(*x, route="both", vime_mode=vime_mode)
+            assert res is None
+            _check(logp, ent, grads, _oracle(*x), dtype, "native")
+        assert vime.stats()["fallbacks"] == {"mode off": 1}
+        return
     logp, ent, grads, res = _serve(*x, route="both", vime_mode=vime_mode, real=290)
     _check(logp, ent, grads, _oracle(*x, real=290), dtype, mode)
-    route = "reference" if mode == "off" else "fused"
-    assert res.backend_id == f"rlk.{route}.cpu" and res.provenance["route"] == route
+    assert res.backend_id == "rlk.fused.cpu" and res.provenance["route"] == "fused"
     assert res.provenance["tp_rank"] == 0 and res.provenance["cp_rank"] == 0
-    assert res.provenance["logits_used"] is (mode == "off")
+    assert res.provenance["logits_used"] is False
     s = vime.stats()
     assert s["backend_ids"] == {res.backend_id: 1} and s["backend_id"] == res.backend_id and s["fallback_total"] == 0
-    assert s["reference"] == ({"calls": 1, "tokens": 45} if mode == "off" else {"calls": 0, "tokens": 0})
     if mode == "audit":
         assert vime.stats()["audit"]["rows"] == 45 and vime.stats()["audit"]["max_abs_dlogp"] < 1e-5
 
@@ -178,15 +190,18 @@ def test_top_p_mask_with_only_the_context_is_served_fused(monkeypatch, mode):
 def test_vime_auto_falls_back_on_the_marker_only():
     x = _inputs(8, dtype="float32")
     h, w, b = _leaves(*x[:3])
-    # a float64 context and no logits: no route of ours takes it
-    req = vime_side.request(x[3], hidden=h.double(), weight=w.double(), bias=b.double())
+    # a vocab shard that is not Megatron's (rank 0 starting at 10): no route of ours takes it
+    req = vime_side.request(x[3], hidden=h, weight=w, bias=b, logits=_logits(h, w, b, 1.0), temperature=1.0,
+                            partition=(10, 300, 310, 310))
     sentinel = (torch.zeros(45, 1), torch.zeros(45))
     logp, ent, res = vime_side.compute(req, vime_mode="auto", native=lambda r: sentinel)
     assert res is None and logp is sentinel[0]
     s = vime.stats()
-    assert s["fallback_total"] == 1 and "float64" in next(iter(s["fallbacks"]))
+    assert s["fallback_total"] == 1 and "vocab partition" in next(iter(s["fallbacks"]))
     assert s["requests"] == {"calls": 1, "tokens": 45} and s["backend_ids"] == {} and s["reference"]["calls"] == 0
-    req.logits = _logits(h, w, b, 1.0)  # with the logits, the logits route serves it
+    with pytest.raises(RuntimeError, match="unavailable"):
+        vime_side.compute(req, vime_mode="strict")
+    req.context = None  # the logits alone: the logits route serves it
     assert vime_side.compute(req, vime_mode="strict")[2].backend_id == "rlk.logits.cpu"
 
 
@@ -212,7 +227,7 @@ def test_pre_scaled_logits_and_the_context_agree(temp):
 def _request(requires_grad=True):
     x = _inputs(10, n=12, v=100, dtype="float32")
     h, w, b = _leaves(*x[:3]) if requires_grad else x[:3]
-    return vime_side.request(x[3], hidden=h, weight=w, bias=b, logits=_logits(h, w, b, 1.0))
+    return vime_side.request(x[3], hidden=h, weight=w, bias=b, logits=_logits(h, w, b, 1.0), temperature=1.0)
 
 
 @pytest.mark.parametrize("mode", ["auto", "strict", "audit"])
@@ -222,21 +237,20 @@ def test_every_mode_checks_rows_and_device(monkeypatch, mode):
         vime.provider(_request(), mode)
 
 
-@pytest.mark.parametrize("mode,raises", [("auto", False), ("strict", True), ("audit", True)])
-def test_detached_output_fails_strict_and_audit(monkeypatch, mode, raises):
+@pytest.mark.parametrize("mode", ["auto", "strict", "audit"])
+def test_detached_output_fails_every_mode(monkeypatch, mode):
     real = vime._fused
     monkeypatch.setattr(vime, "_fused", lambda r, sl: tuple(t.detach() for t in real(r, sl)))
-    if raises:
-        with pytest.raises(RuntimeError, match="detached"):
-            vime.provider(_request(), mode)
-    else:
+    with pytest.raises(RuntimeError, match="detached"):
         vime.provider(_request(), mode)
 
 
-def test_audit_fails_on_a_wrong_value(monkeypatch):
+def test_strict_and_audit_fail_on_a_wrong_value(monkeypatch):
     real = vime._fused
     monkeypatch.setattr(vime, "_fused", lambda r, sl: (real(r, sl)[0] + 0.01, real(r, sl)[1]))
-    vime.provider(_request(), "strict")  # strict does not compare
+    vime.provider(_request(), "auto")  # auto does not compare
+    with pytest.raises(RuntimeError, match="strict: row 0"):
+        vime.provider(_request(), "strict")
     with pytest.raises(RuntimeError, match="audit: row 0"):
         vime.provider(_request(), "audit")
 
@@ -312,7 +326,7 @@ def test_route_logged_once_per_change(caplog, monkeypatch):
 def test_contract_id_names_the_numeric_contract():
     a = vime.provider(_request())
     x = _inputs(10, n=12, v=100, dtype="bfloat16")
-    b = vime.provider(vime_side.request(x[3], hidden=x[0], weight=x[1], bias=x[2]))
+    b = vime.provider(vime_side.request(x[3], hidden=x[0], weight=x[1], bias=x[2], temperature=1.0))
     assert a.contract_id != b.contract_id
     for part in ("route=fused", "kernel=cpu", "tp=1", "cp=singlex1", "vocab=100/100", "chunk=25"):
         assert part in a.contract_id
@@ -321,9 +335,31 @@ def test_contract_id_names_the_numeric_contract():
 
 def test_a_partition_that_is_not_megatrons_is_unavailable():
     req = _request()
-    req.context.vocab_partition.local_start = 10  # not rank 0's shard
+    vp = req.context.vocab_partition
+    vp.local_start, vp.real_size, vp.padded_size = 10, 110, 110  # not rank 0's shard
     with pytest.raises(vime.ProviderUnavailable, match="vocab partition"):
         vime.provider(req)
-    req.context.vocab_partition.local_size = 90
+    vp.local_start = 20  # beyond the padded vocab: malformed
+    with pytest.raises(ValueError, match="vocab_partition"):
+        vime.provider(req)
+    vp.local_start, vp.local_size = 10, 90
     with pytest.raises(ValueError, match="local_size"):
         vime.provider(req)
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_logits_route_row_blocks_give_the_same_bits(monkeypatch, masked):
+    """torch_bridge.logits runs its [rows, V_local] temporaries in row blocks (bounded memory): blocks
+    of 7 rows give one pass's bits, values and gradients, with padding and a nucleus."""
+    from torch_bridge import logits as lg
+    x = _inputs(11, n=40, dtype="float32", temp=0.9, real=290)
+    keep = _keep(12, x[3], 300, x=x) if masked else None
+    runs = []
+    for elements in (lg.ROW_BLOCK_ELEMENTS, 7 * 300):
+        monkeypatch.setattr(lg, "ROW_BLOCK_ELEMENTS", elements)
+        runs.append(_serve(*x, route="logits", keep=keep, real=290, vime_mode="strict"))
+    for a, b in zip(runs[0][:2], runs[1][:2]):
+        assert torch.equal(a, b)
+    for a, b in zip(runs[0][2], runs[1][2]):
+        assert torch.equal(a, b)
+    _check(*runs[1][:3], _oracle(*x, keep=keep, real=290), "float32", "row blocks")
