@@ -95,7 +95,7 @@ def jax_cases(dtype: str) -> dict[str, str]:
 
     out["jax.forward"] = digest(*rlk_xla.linear_logp(hidden, weight, targets, **kw))
     for bwd in ("fast", "lean"):
-        def loss(hd, w, b, t):
+        def loss(hd, w, b, t, bwd=bwd):
             lp, en = rlk_xla.linear_logp(hd, w, targets, **{**kw, "bias": b, "temperature": t}, backward=bwd)
             return jnp.sum(lp * g) + jnp.sum(en * e)
         out[f"jax.grad_{bwd}"] = digest(*jax.grad(loss, argnums=(0, 1, 2, 3))(hidden, weight, bias, temp))
@@ -111,7 +111,7 @@ def jax_cases(dtype: str) -> dict[str, str]:
     # Two vocab shards over a mesh (stats at a vocab offset, the combine, each shard's backward).
     mesh = Mesh(np.array(jax.devices()[:2]), ("tp",))
     for bwd in ("fast", "lean"):
-        def tp_loss(hd, w, b):
+        def tp_loss(hd, w, b, bwd=bwd):
             lp, en = rlk_xla.vocab_parallel_linear_logp(hd, w, targets, mesh=mesh, bias=b, temperature=temp,
                                                         real_vocab_size=REAL, return_entropy=True, mode="strict",
                                                         backward=bwd)

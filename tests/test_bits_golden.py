@@ -5,7 +5,7 @@ import pytest
 pytest.importorskip("jax", reason="jax is not installed: the harness runs both frontends")
 pytest.importorskip("torch", reason="torch is not installed: the harness runs both frontends")
 
-import bits_golden as bg  # noqa: E402
+import bits_golden as bg
 
 
 @pytest.mark.parametrize("dtype", bg.DTYPES)
