@@ -84,27 +84,61 @@ struct Field {
   int core_rank;
 };
 
+// The operands forward and backward share: the problem's.
+struct Operands {
+  Buf hidden, weight, bias, targets, temperature;
+};
+
+// What a combine writes: the rows' logp, entropy, m and log_s [n] f32; with a nucleus log_s_keep.
+struct CombineOut {
+  Buf logp, entropy, m, log_s, log_s_keep;
+};
+
 // forward: per-(row, chunk) statistics and the target logit; with saved_logits (non-empty) also
 // what the fast backward reads (kept_bytes of the executor, in its own layout). DLPack only: a
 // nucleus (keep, keep_sum) and the combine of a call over the whole vocab in the same call.
-struct ForwardIO {
-  Buf hidden, weight, bias, targets, temperature, keep;
-  Buf stats, target_logit, saved_logits, workspace, keep_sum, logp, entropy, m, log_s, log_s_keep;
+struct ForwardIO : Operands, CombineOut {
+  Buf keep;
+  Buf stats, target_logit, saved_logits, workspace, keep_sum;
 };
 
 // combine: all chunks' statistics -> logp, entropy, m, log_s; DLPack only: the nucleus's sums.
-struct CombineIO {
+struct CombineIO : CombineOut {
   Buf stats, target_logit, targets, keep_sum;
-  Buf logp, entropy, m, log_s, log_s_keep, workspace;  // workspace: unused (every XLA target has one)
+  Buf workspace;  // unused (every XLA target has one)
 };
 
 // backward: dhidden, dweight, dbias, dtemp; with saved_logits (non-empty) the fast strategy, else
 // lean. The XLA FFI passes saved_logits as an operand aliased to a result (the CUDA backend
 // overwrites it): the result is the one written. DLPack only: the nucleus (keep, log_s_keep).
-struct BackwardIO {
-  Buf hidden, weight, bias, targets, temperature, m, log_s, entropy, g, e, keep, log_s_keep;
+struct BackwardIO : Operands {
+  Buf m, log_s, entropy, g, e, keep, log_s_keep;
   Buf saved_logits, dhidden, dweight, dbias, dtemp, workspace;
 };
+
+template <class T, size_t A, size_t B>
+constexpr std::array<T, A + B> cat(const std::array<T, A>& a, const std::array<T, B>& b) {
+  std::array<T, A + B> out{};
+  for (size_t i = 0; i < A; ++i) out[i] = a[i];
+  for (size_t i = 0; i < B; ++i) out[A + i] = b[i];
+  return out;
+}
+
+// The Operands' fields, first in forward's and backward's tables.
+template <class IO>
+constexpr std::array<Field<IO>, 5> operand_fields() {
+  return {{{"hidden", &IO::hidden, kIn | kBoth, 2}, {"weight", &IO::weight, kIn | kBoth, 2},
+           {"bias", &IO::bias, kIn | kBoth, 1}, {"targets", &IO::targets, kIn | kBoth, 1},
+           {"temperature", &IO::temperature, kIn | kBoth, 1}}};
+}
+
+// The CombineOut's fields: logp, entropy, m, log_s passed by `where`; log_s_keep by DLPack only.
+template <class IO>
+constexpr std::array<Field<IO>, 5> combine_out_fields(unsigned where) {
+  return {{{"logp", &IO::logp, kOut | where, 1}, {"entropy", &IO::entropy, kOut | where, 1},
+           {"m", &IO::m, kOut | where, 1}, {"log_s", &IO::log_s, kOut | where, 1},
+           {"log_s_keep", &IO::log_s_keep, kOut | kDl, 1}}};
+}
 
 template <class IO>
 constexpr auto fields();
@@ -112,45 +146,34 @@ constexpr auto fields();
 template <>
 constexpr auto fields<ForwardIO>() {
   using IO = ForwardIO;
-  return std::array<Field<IO>, 16>{{
-      {"hidden", &IO::hidden, kIn | kBoth, 2},        {"weight", &IO::weight, kIn | kBoth, 2},
-      {"bias", &IO::bias, kIn | kBoth, 1},            {"targets", &IO::targets, kIn | kBoth, 1},
-      {"temperature", &IO::temperature, kIn | kBoth, 1}, {"keep", &IO::keep, kIn | kDl, 2},
-      {"stats", &IO::stats, kOut | kBoth, 3},         {"target_logit", &IO::target_logit, kOut | kBoth, 1},
-      {"saved_logits", &IO::saved_logits, kOut | kBoth, 1}, {"workspace", &IO::workspace, kOut | kBoth, 1},
-      {"keep_sum", &IO::keep_sum, kOut | kDl, 2},     {"logp", &IO::logp, kOut | kDl, 1},
-      {"entropy", &IO::entropy, kOut | kDl, 1},       {"m", &IO::m, kOut | kDl, 1},
-      {"log_s", &IO::log_s, kOut | kDl, 1},           {"log_s_keep", &IO::log_s_keep, kOut | kDl, 1},
-  }};
+  constexpr std::array<Field<IO>, 6> own{{
+      {"keep", &IO::keep, kIn | kDl, 2}, {"stats", &IO::stats, kOut | kBoth, 3},
+      {"target_logit", &IO::target_logit, kOut | kBoth, 1}, {"saved_logits", &IO::saved_logits, kOut | kBoth, 1},
+      {"workspace", &IO::workspace, kOut | kBoth, 1}, {"keep_sum", &IO::keep_sum, kOut | kDl, 2}}};
+  return cat(cat(operand_fields<IO>(), own), combine_out_fields<IO>(kDl));
 }
 
 template <>
 constexpr auto fields<CombineIO>() {
   using IO = CombineIO;
-  return std::array<Field<IO>, 10>{{
-      {"stats", &IO::stats, kIn | kBoth, 3},     {"target_logit", &IO::target_logit, kIn | kBoth, 1},
-      {"targets", &IO::targets, kIn | kBoth, 1}, {"keep_sum", &IO::keep_sum, kIn | kDl, 2},
-      {"logp", &IO::logp, kOut | kBoth, 1},      {"entropy", &IO::entropy, kOut | kBoth, 1},
-      {"m", &IO::m, kOut | kBoth, 1},            {"log_s", &IO::log_s, kOut | kBoth, 1},
-      {"log_s_keep", &IO::log_s_keep, kOut | kDl, 1}, {"workspace", &IO::workspace, kOut | kFfi, 1},
-  }};
+  constexpr std::array<Field<IO>, 4> in{{
+      {"stats", &IO::stats, kIn | kBoth, 3}, {"target_logit", &IO::target_logit, kIn | kBoth, 1},
+      {"targets", &IO::targets, kIn | kBoth, 1}, {"keep_sum", &IO::keep_sum, kIn | kDl, 2}}};
+  constexpr std::array<Field<IO>, 1> ws{{{"workspace", &IO::workspace, kOut | kFfi, 1}}};
+  return cat(cat(in, combine_out_fields<IO>(kBoth)), ws);
 }
 
 template <>
 constexpr auto fields<BackwardIO>() {
   using IO = BackwardIO;
-  return std::array<Field<IO>, 19>{{
-      {"hidden", &IO::hidden, kIn | kBoth, 2},          {"weight", &IO::weight, kIn | kBoth, 2},
-      {"bias", &IO::bias, kIn | kBoth, 1},              {"targets", &IO::targets, kIn | kBoth, 1},
-      {"temperature", &IO::temperature, kIn | kBoth, 1}, {"m", &IO::m, kIn | kBoth, 1},
-      {"log_s", &IO::log_s, kIn | kBoth, 1},            {"entropy", &IO::entropy, kIn | kBoth, 1},
-      {"g", &IO::g, kIn | kBoth, 1},                    {"e", &IO::e, kIn | kBoth, 1},
-      {"saved_logits", &IO::saved_logits, kIn | kBoth, 1}, {"keep", &IO::keep, kIn | kDl, 2},
-      {"log_s_keep", &IO::log_s_keep, kIn | kDl, 1},    {"dhidden", &IO::dhidden, kOut | kBoth, 2},
-      {"dweight", &IO::dweight, kOut | kBoth, 2},       {"dbias", &IO::dbias, kOut | kBoth, 1},
-      {"dtemp", &IO::dtemp, kOut | kBoth, 1},           {"saved_logits", &IO::saved_logits, kOut | kFfi, 1},
-      {"workspace", &IO::workspace, kOut | kBoth, 1},
-  }};
+  constexpr std::array<Field<IO>, 14> own{{
+      {"m", &IO::m, kIn | kBoth, 1}, {"log_s", &IO::log_s, kIn | kBoth, 1}, {"entropy", &IO::entropy, kIn | kBoth, 1},
+      {"g", &IO::g, kIn | kBoth, 1}, {"e", &IO::e, kIn | kBoth, 1}, {"saved_logits", &IO::saved_logits, kIn | kBoth, 1},
+      {"keep", &IO::keep, kIn | kDl, 2}, {"log_s_keep", &IO::log_s_keep, kIn | kDl, 1},
+      {"dhidden", &IO::dhidden, kOut | kBoth, 2}, {"dweight", &IO::dweight, kOut | kBoth, 2},
+      {"dbias", &IO::dbias, kOut | kBoth, 1}, {"dtemp", &IO::dtemp, kOut | kBoth, 1},
+      {"saved_logits", &IO::saved_logits, kOut | kFfi, 1}, {"workspace", &IO::workspace, kOut | kBoth, 1}}};
+  return cat(operand_fields<IO>(), own);
 }
 
 // The batch of a call: the leading dimensions of this stage's first result.
@@ -227,8 +250,8 @@ struct Rules {
 
 // ---- check -> Problem, one function a stage -------------------------------------------------------
 // The rules of the operands forward and backward share; fills p.
-inline void check_problem(Rules& r, const Buf& hidden, const Buf& weight, const Buf& bias, const Buf& targets,
-                          const Buf& temperature, const Attrs& at, Problem* p) {
+inline void check_problem(Rules& r, const Operands& io, const Attrs& at, Problem* p) {
+  const Buf &hidden = io.hidden, &weight = io.weight;
   if (!hidden.given || hidden.core.size() != 2 || !weight.given || weight.core.size() != 2)
     return r.require(false, "hidden must be [..., n, h] and weight [..., v, h]");
   if (!to_dtype(hidden.elem, &p->dtype)) return r.require(false, "hidden must be float32, float16 or bfloat16");
@@ -245,9 +268,9 @@ inline void check_problem(Rules& r, const Buf& hidden, const Buf& weight, const 
   const Elem dt = hidden.elem;
   r.need("hidden", hidden, dt, {p->n, p->h});
   r.need("weight", weight, dt, {p->v, p->h});
-  if (p->has_bias) r.need("bias", bias, Elem::kF32, {p->v});
-  r.need("targets", targets, Elem::kS32, {p->n});
-  r.need("temperature", temperature, Elem::kF32, {p->n});
+  if (p->has_bias) r.need("bias", io.bias, Elem::kF32, {p->v});
+  r.need("targets", io.targets, Elem::kS32, {p->n});
+  r.need("temperature", io.temperature, Elem::kF32, {p->n});
 }
 
 // The saved logits: absent or empty (nothing saved), else uint8 of at least kept_bytes a batch item.
@@ -259,9 +282,16 @@ inline void check_saved(Rules& r, const Buf& b, size_t kept_bytes) {
             "saved_logits (the fast backward's record) must hold kept_bytes(problem) bytes per batch item");
 }
 
-inline void check_forward(Rules& r, const ForwardIO& io, const Attrs& at, size_t (*kept_bytes)(const Problem&),
+inline void check_combine_out(Rules& r, const CombineOut& io, int64_t n) {
+  for (const auto& [name, b] : {std::pair<const char*, const Buf*>{"logp", &io.logp}, {"entropy", &io.entropy},
+                                {"m", &io.m}, {"log_s", &io.log_s}})
+    r.need(name, *b, Elem::kF32, {n}, true);
+  r.maybe("log_s_keep", io.log_s_keep, Elem::kF32, {n}, true);
+}
+
+inline void check(Rules& r, const ForwardIO& io, const Attrs& at, size_t (*kept_bytes)(const Problem&),
                           Problem* p) {
-  check_problem(r, io.hidden, io.weight, io.bias, io.targets, io.temperature, at, p);
+  check_problem(r, io, at, p);
   if (r.fail) return;
   const int64_t n = p->n, k = num_chunks(*p);
   r.need("stats", io.stats, Elem::kF32, {n, k, kStatWidth}, true);
@@ -277,10 +307,7 @@ inline void check_forward(Rules& r, const ForwardIO& io, const Attrs& at, size_t
   if (!combine) return r.require(!io.log_s_keep.given, "log_s_keep comes with keep in a combining forward");
   r.require(at.vocab_start == 0 && p->v >= at.real_vocab, "the forward combines only a call over the whole vocab");
   r.require(io.log_s_keep.given == io.keep.given, "log_s_keep comes with keep in a combining forward");
-  for (const auto& [name, b] : {std::pair<const char*, const Buf*>{"logp", &io.logp}, {"entropy", &io.entropy},
-                                {"m", &io.m}, {"log_s", &io.log_s}})
-    r.need(name, *b, Elem::kF32, {n}, true);
-  r.maybe("log_s_keep", io.log_s_keep, Elem::kF32, {n}, true);
+  check_combine_out(r, io, n);
 }
 
 inline void check_combine(Rules& r, const CombineIO& io) {
@@ -290,17 +317,14 @@ inline void check_combine(Rules& r, const CombineIO& io) {
   r.need("stats", io.stats, Elem::kF32, {n, k, kStatWidth});
   r.need("target_logit", io.target_logit, Elem::kF32, {n});
   r.need("targets", io.targets, Elem::kS32, {n});
-  for (const auto& [name, b] : {std::pair<const char*, const Buf*>{"logp", &io.logp}, {"entropy", &io.entropy},
-                                {"m", &io.m}, {"log_s", &io.log_s}})
-    r.need(name, *b, Elem::kF32, {n}, true);
   r.require(io.keep_sum.given == io.log_s_keep.given, "keep_sum and log_s_keep come together");
   r.maybe("keep_sum", io.keep_sum, Elem::kF32, {n, k});
-  r.maybe("log_s_keep", io.log_s_keep, Elem::kF32, {n}, true);
+  check_combine_out(r, io, n);
 }
 
-inline void check_backward(Rules& r, const BackwardIO& io, const Attrs& at, size_t (*kept_bytes)(const Problem&),
+inline void check(Rules& r, const BackwardIO& io, const Attrs& at, size_t (*kept_bytes)(const Problem&),
                            Problem* p) {
-  check_problem(r, io.hidden, io.weight, io.bias, io.targets, io.temperature, at, p);
+  check_problem(r, io, at, p);
   if (r.fail) return;
   const int64_t n = p->n;
   for (const auto& [name, b] : {std::pair<const char*, const Buf*>{"m", &io.m}, {"log_s", &io.log_s}, {"g", &io.g}})
@@ -327,6 +351,7 @@ struct Batch {
   std::vector<int64_t> lead;
   int64_t count = 1;
 
+  Batch() = default;
   explicit Batch(const std::vector<int64_t>& out_lead) : lead(out_lead) {
     for (int64_t d : lead) count *= d;
   }
@@ -351,6 +376,25 @@ struct Batch {
   }
 };
 
+// Batch item b of the Operands into FwdArgs or BwdArgs.
+template <class Args>
+void operands_at(Args& a, const Operands& io, const Batch& batch, int64_t b, bool has_bias) {
+  a.hidden = batch.at(io.hidden, b);
+  a.weight = batch.at(io.weight, b);
+  a.bias = has_bias ? batch.at<const float>(io.bias, b) : nullptr;
+  a.targets = batch.at<const int32_t>(io.targets, b);
+  a.temperature = batch.at<const float>(io.temperature, b);
+}
+
+// Batch item b of the CombineOut into CombineArgs.
+inline void combine_out_at(CombineArgs& a, const CombineOut& io, const Batch& batch, int64_t b) {
+  a.logp = batch.at<float>(io.logp, b);
+  a.entropy = batch.at<float>(io.entropy, b);
+  a.m = batch.at<float>(io.m, b);
+  a.log_s = batch.at<float>(io.log_s, b);
+  a.log_s_keep = batch.at<float>(io.log_s_keep, b);
+}
+
 // Checks io (batched: the XLA FFI's leading dimensions allowed), then runs the stage on `ex` once a
 // batch item. Nothing is read or written before every check passed.
 template <class IO>
@@ -362,14 +406,22 @@ Rules rules_of(const IO& io, bool batched) {
   return r;
 }
 
+// A forward's or backward's checks and Problem; on success the executor takes the call's workspace.
+template <class IO, class Exec>
+Fail prepare(Exec& ex, const IO& io, const Attrs& at, bool batched, Problem* p, Batch* batch) {
+  Rules r = rules_of(io, batched);
+  if (!r.fail) check(r, io, at, Exec::kept_bytes, p);
+  if (r.fail) return r.fail;
+  ex.use_workspace(io.workspace.data, io.workspace.given ? size_t(io.workspace.core_bytes()) : 0);
+  *batch = Batch(r.batch);
+  return {};
+}
+
 template <class Exec>
 Fail run(Exec& ex, const ForwardIO& io, const Attrs& at, bool batched) {
   Problem p;
-  Rules r = rules_of(io, batched);
-  if (!r.fail) check_forward(r, io, at, Exec::kept_bytes, &p);
-  if (r.fail) return r.fail;
-  const Batch batch(r.batch);
-  ex.use_workspace(io.workspace.data, io.workspace.given ? size_t(io.workspace.core_bytes()) : 0);
+  Batch batch;
+  if (Fail f = prepare(ex, io, at, batched, &p, &batch)) return f;
   // Rows are independent: with one shared weight and every row operand batched alike, the batch
   // folds into the rows (the same bits as a loop, since results are batch invariant).
   const bool fold = batch.single(io.weight) && batch.single(io.bias) && batch.full(io.hidden) &&
@@ -379,11 +431,7 @@ Fail run(Exec& ex, const ForwardIO& io, const Attrs& at, bool batched) {
   const bool combine = io.logp.given;
   for (int64_t b = 0; b < items; ++b) {
     FwdArgs a;
-    a.hidden = batch.at(io.hidden, b);
-    a.weight = batch.at(io.weight, b);
-    a.bias = p.has_bias ? batch.at<const float>(io.bias, b) : nullptr;
-    a.targets = batch.at<const int32_t>(io.targets, b);
-    a.temperature = batch.at<const float>(io.temperature, b);
+    operands_at(a, io, batch, b, p.has_bias);
     a.keep = batch.at<const uint8_t>(io.keep, b);
     a.stats = batch.at<float>(io.stats, b);
     a.target_logit = batch.at<float>(io.target_logit, b);
@@ -400,11 +448,7 @@ Fail run(Exec& ex, const ForwardIO& io, const Attrs& at, bool batched) {
     c.target_logit = a.target_logit;
     c.targets = a.targets;
     c.keep_sum = a.keep_sum;
-    c.logp = batch.at<float>(io.logp, b);
-    c.entropy = batch.at<float>(io.entropy, b);
-    c.m = batch.at<float>(io.m, b);
-    c.log_s = batch.at<float>(io.log_s, b);
-    c.log_s_keep = batch.at<float>(io.log_s_keep, b);
+    combine_out_at(c, io, batch, b);
     if (Fail f = kernel(ex.combine(c))) return f;
   }
   return {};
@@ -427,11 +471,7 @@ Fail run(Exec& ex, const CombineIO& io, const Attrs& at, bool batched) {
     a.target_logit = batch.at<const float>(io.target_logit, b);
     a.targets = batch.at<const int32_t>(io.targets, b);
     a.keep_sum = batch.at<const float>(io.keep_sum, b);
-    a.logp = batch.at<float>(io.logp, b);
-    a.entropy = batch.at<float>(io.entropy, b);
-    a.m = batch.at<float>(io.m, b);
-    a.log_s = batch.at<float>(io.log_s, b);
-    a.log_s_keep = batch.at<float>(io.log_s_keep, b);
+    combine_out_at(a, io, batch, b);
     if (Fail f = kernel(ex.combine(a))) return f;
   }
   return {};
@@ -440,20 +480,13 @@ Fail run(Exec& ex, const CombineIO& io, const Attrs& at, bool batched) {
 template <class Exec>
 Fail run(Exec& ex, const BackwardIO& io, const Attrs& at, bool batched) {
   Problem p;
-  Rules r = rules_of(io, batched);
-  if (!r.fail) check_backward(r, io, at, Exec::kept_bytes, &p);
-  if (r.fail) return r.fail;
-  const Batch batch(r.batch);
-  ex.use_workspace(io.workspace.data, io.workspace.given ? size_t(io.workspace.core_bytes()) : 0);
+  Batch batch;
+  if (Fail f = prepare(ex, io, at, batched, &p, &batch)) return f;
   DType dh_dtype;
   to_dtype(io.dhidden.elem, &dh_dtype);
   for (int64_t b = 0; b < batch.count; ++b) {
     BwdArgs a;
-    a.hidden = batch.at(io.hidden, b);
-    a.weight = batch.at(io.weight, b);
-    a.bias = p.has_bias ? batch.at<const float>(io.bias, b) : nullptr;
-    a.targets = batch.at<const int32_t>(io.targets, b);
-    a.temperature = batch.at<const float>(io.temperature, b);
+    operands_at(a, io, batch, b, p.has_bias);
     a.m = batch.at<const float>(io.m, b);
     a.log_s = batch.at<const float>(io.log_s, b);
     a.entropy = p.with_entropy ? batch.at<const float>(io.entropy, b) : nullptr;
