@@ -16,12 +16,8 @@
 #include "io.h"
 #include "xla/ffi/api/ffi.h"
 
-XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(rlk::io::Attrs, ::xla::ffi::StructMember<int64_t>("vocab_start"),
-                                      ::xla::ffi::StructMember<int64_t>("real_vocab"),
-                                      ::xla::ffi::StructMember<int64_t>("chunk"),
-                                      ::xla::ffi::StructMember<int64_t>("ignore_index"),
-                                      ::xla::ffi::StructMember<int64_t>("has_bias"),
-                                      ::xla::ffi::StructMember<int64_t>("with_entropy"));
+#define RLK_STRUCT_MEMBER(name) ::xla::ffi::StructMember<int64_t>(#name)
+XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(rlk::io::Attrs, RLK_ATTRS(RLK_STRUCT_MEMBER));
 
 namespace rlk::ffi_handlers {
 

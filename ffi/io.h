@@ -68,10 +68,13 @@ struct Buf {
   }
 };
 
-// The attributes of every call, decoded once into this struct (the XLA FFI's attribute dictionary;
-// the DLPack entry points' keyword arguments).
+// The attributes of every call, decoded once into this struct (the XLA FFI's attribute dictionary,
+// handlers.h; the DLPack entry points' keyword arguments, module.cc), all int64, listed once here:
+// RLK_ATTRS(X) applies X to each name.
+#define RLK_ATTRS(X) X(vocab_start), X(real_vocab), X(chunk), X(ignore_index), X(has_bias), X(with_entropy)
+#define RLK_ATTR_NAME(name) name
 struct Attrs {
-  int64_t vocab_start, real_vocab, chunk, ignore_index, has_bias, with_entropy;
+  int64_t RLK_ATTRS(RLK_ATTR_NAME);
 };
 
 // A stage's buffer table.

@@ -80,9 +80,10 @@ rlk::io::Elem elem_of(const Array& a) {
   return Elem::kOther;
 }
 
-// io's Attrs by name; a DLPack call knows has_bias from its bias, and the backward with_entropy
-// from its entropy and e.
-constexpr const char* kAttrNames[] = {"vocab_start", "real_vocab", "chunk", "ignore_index", "with_entropy", "stream"};
+// io's Attrs by name (RLK_ATTRS), and the CUDA stream. A DLPack call knows has_bias from its bias,
+// and the backward with_entropy from its entropy and e: what it passes of those is overridden.
+#define RLK_ATTR_ENTRY(name) std::pair<const char*, int64_t rlk::io::Attrs::*>{#name, &rlk::io::Attrs::name}
+constexpr std::pair<const char*, int64_t rlk::io::Attrs::*> kAttrs[] = {RLK_ATTRS(RLK_ATTR_ENTRY)};
 
 struct DlCall {
   rlk::io::Attrs at{0, 0, 0, -100, 0, 0};
@@ -92,15 +93,14 @@ struct DlCall {
 template <class IO>
 DlCall from_kwargs(IO& io, const nb::kwargs& kw) {
   DlCall c;
-  int64_t* slots[] = {&c.at.vocab_start, &c.at.real_vocab, &c.at.chunk, &c.at.ignore_index, &c.at.with_entropy};
   size_t used = 0;
-  for (size_t i = 0; i < std::size(kAttrNames); ++i) {
-    if (!kw.contains(kAttrNames[i])) continue;
+  for (const auto& [name, member] : kAttrs) {
+    if (!kw.contains(name)) continue;
     ++used;
-    nb::handle v = kw[kAttrNames[i]];
-    if (i + 1 == std::size(kAttrNames)) c.stream = nb::cast<uintptr_t>(v);
-    else *slots[i] = nb::isinstance<nb::bool_>(v) ? int64_t(nb::cast<bool>(v)) : nb::cast<int64_t>(v);
+    nb::handle v = kw[name];
+    c.at.*member = nb::isinstance<nb::bool_>(v) ? int64_t(nb::cast<bool>(v)) : nb::cast<int64_t>(v);
   }
+  if (kw.contains("stream")) c.stream = nb::cast<uintptr_t>(kw["stream"]), ++used;
   for (const auto& f : rlk::io::fields<IO>()) {
     if (!(f.flags & rlk::io::kDl) || !kw.contains(f.name)) continue;
     ++used;
