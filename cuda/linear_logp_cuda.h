@@ -31,8 +31,8 @@ size_t forward_workspace_bytes(const Problem& p);
 //                            over the nucleus (FwdArgs::keep; 0 without); group_max[groups]; z_target;
 //                            zeros up to a multiple of 64 floats: q starts 256-byte aligned for
 //                            any n (the gradient GEMMs read q's bytes as dlogit, and cuBLASLt
-//                            picks slower kernels for a less aligned operand: T3, n = 6827,
-//                            lost 4% to a 16-byte aligned q)
+//                            picks slower kernels for a less aligned operand: docs/benchmarks.md
+//                            §5, "its q 16-byte aligned")
 //     fp16  q[n][v]          q_j = exp(z_j - mt), mt = group_max of the column's group: 128
 //                            columns counted from the chunk's first (the portable kernel's tile;
 //                            the sm90 kernel gives both halves of its 256-column tile the tile's max)
