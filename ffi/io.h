@@ -252,6 +252,10 @@ struct Rules {
 };
 
 // ---- check -> Problem, one function a stage -------------------------------------------------------
+// The chunk rule (a Problem's v % chunk == 0), for the calls and the shape-only queries alike.
+inline bool chunk_fits(int64_t v, int64_t chunk) { return chunk > 0 && v % chunk == 0; }
+constexpr const char* kChunkRule = "chunk must be > 0 and divide the local vocab";
+
 // The rules of the operands forward and backward share; fills p.
 inline void check_problem(Rules& r, const Operands& io, const Attrs& at, Problem* p) {
   const Buf &hidden = io.hidden, &weight = io.weight;
@@ -267,7 +271,7 @@ inline void check_problem(Rules& r, const Operands& io, const Attrs& at, Problem
   p->ignore_index = at.ignore_index;
   p->has_bias = at.has_bias != 0;
   p->with_entropy = at.with_entropy != 0;
-  r.require(p->chunk > 0 && p->v % p->chunk == 0, "chunk must be > 0 and divide the local vocab");
+  r.require(chunk_fits(p->v, p->chunk), kChunkRule);
   const Elem dt = hidden.elem;
   r.need("hidden", hidden, dt, {p->n, p->h});
   r.need("weight", weight, dt, {p->v, p->h});

@@ -200,13 +200,14 @@ nb::dict kernel(const char* reason_if_not, bool built) {
 
 // One platform: its name in each frontend and what of it this build runs, with the reasons.
 nb::dict platform(const char* name, const char* xla, const char* jax_backend, const char* jax_lowering,
-                  int dlpack_device, bool built, const char* reason_if_not, nb::dict kernels) {
+                  int dlpack_device, bool workspace, bool built, const char* reason_if_not, nb::dict kernels) {
   nb::dict d;
   d["name"] = name;                  // kept_bytes' device, rlk_common's key; torch's device type
   d["xla_platform"] = xla;           // jax.ffi.register_ffi_target's platform
   d["jax_backend"] = jax_backend;    // jax.default_backend() on it
   d["jax_lowering"] = jax_lowering;  // lax.platform_dependent's keyword
   d["dlpack_device"] = dlpack_device;
+  d["workspace"] = workspace;        // its calls take scratch of cuda_workspace_bytes
   d["supported"] = built;
   d["reason"] = built ? nb::object(nb::none()) : nb::object(nb::str(reason_if_not));
   d["kernels"] = kernels;
@@ -221,8 +222,8 @@ nb::dict platforms() {
       RLK_HAVE_CUDA && RLK_HAVE_SM90);
   cuda_kernels[rlk::backend_name(rlk::Backend::kCudaPortable)] = kernel(kNoCuda, RLK_HAVE_CUDA);
   cuda_kernels[rlk::backend_name(rlk::Backend::kCudaBlas)] = kernel(kNoCuda, RLK_HAVE_CUDA);
-  out["cpu"] = platform("cpu", "cpu", "cpu", "cpu", nb::device::cpu::value, true, "", cpu_kernels);
-  out["cuda"] = platform("cuda", "CUDA", "gpu", "cuda", nb::device::cuda::value, RLK_HAVE_CUDA, kNoCuda,
+  out["cpu"] = platform("cpu", "cpu", "cpu", "cpu", nb::device::cpu::value, false, true, "", cpu_kernels);
+  out["cuda"] = platform("cuda", "CUDA", "gpu", "cuda", nb::device::cuda::value, true, RLK_HAVE_CUDA, kNoCuda,
                          cuda_kernels);
   return out;
 }
@@ -270,7 +271,7 @@ NB_MODULE(_rlk_core, m) {
   m.def("kept_bytes",
         [](int64_t n, int64_t v, int64_t chunk, rlk::DType dtype, const std::string& device) {
           const int dev = device_of(device);
-          if (chunk <= 0 || v % chunk != 0) throw std::invalid_argument("rlk: chunk must divide the local vocab");
+          if (!rlk::io::chunk_fits(v, chunk)) throw std::invalid_argument(rlk::io::invalid(rlk::io::kChunkRule).what);
           const rlk::Problem p = shape_problem(n, 0, v, chunk, dtype, false, false);
           return int64_t(kept_bytes_on(dev, p));
         },

@@ -64,11 +64,12 @@ def _on_platform(results, workspace: dict[str, int], name: str, args, attrs, ali
 
 
 def _workspace(hidden, weight, cfg: KernelConfig, which: str, dhidden_f32: bool = True) -> dict[str, int]:
-    """Scratch bytes of call `which` ("forward", "lean" or "fast") per platform: CUDA's
-    (rlk_common.cuda_workspace_bytes); the CPU takes none."""
+    """Scratch bytes of call `which` ("forward", "lean" or "fast") per XLA platform, for those that
+    take any (PLATFORMS' "workspace": rlk_common.cuda_workspace_bytes)."""
     n, h = hidden.shape
-    return {PLATFORMS["cuda"]["xla_platform"]: common.cuda_workspace_bytes(core, n, h, weight.shape[0], cfg.chunk, jnp.dtype(hidden.dtype).name,
-                                                cfg.has_bias, cfg.with_entropy, dhidden_f32)[which]}
+    nbytes = common.cuda_workspace_bytes(core, n, h, weight.shape[0], cfg.chunk, jnp.dtype(hidden.dtype).name,
+                                         cfg.has_bias, cfg.with_entropy, dhidden_f32)[which]
+    return {p["xla_platform"]: nbytes for p in PLATFORMS.values() if p["workspace"]}
 
 
 def _bias_arg(bias):

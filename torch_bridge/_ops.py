@@ -47,7 +47,7 @@ from torch import Tensor
 import rlk_common as common
 
 from ._args import dtype_name, kept_bytes
-from ._core import core
+from ._core import PLATFORMS, core
 
 F32 = torch.float32
 W = int(core.STAT_WIDTH)
@@ -125,7 +125,7 @@ def workspace_bytes(n: int, h: int, v: int, chunk: int, dtype: torch.dtype, has_
 
 def _workspace(hidden: Tensor, v: int, chunk: int, has_bias: bool, with_entropy: bool, which: str,
                dhidden_f32: bool = True):
-    if hidden.device.type != "cuda":
+    if not PLATFORMS[hidden.device.type]["workspace"]:
         return None
     if which != "forward":
         _prepare_backward(hidden.device.index)
