@@ -11,7 +11,8 @@ The calls: forward (logp, entropy) with bias, per-token temperature, ignored row
 the fast and the lean backward (every gradient); a vmapped call (the FFI's batch folding); a
 tensor-parallel-shaped pair of shards (stats at a vocab offset, their combine, each shard's backward);
 the torch-only nucleus (keep_mask) and its gradients; the rollout scorer's single rows. Odd shapes:
-n = 1, 3, 127; V = 1000 (not a multiple of any tile) with 997 real ids; H = 72.
+n = 1, 3, 127; V = 1000 (not a multiple of any tile) with 997 real ids; H = 72, and H = 264 (past
+the CPU's 128-step fp32 chains) for a forward and both backwards.
 """
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ GOLDEN = pathlib.Path(__file__).with_name("golden") / "bits.json"
 DTYPES = ("bfloat16", "float16", "float32")
 PARTS = {"half": ("bfloat16", "float16"), "fp32": ("float32",)}
 N, H, V, REAL = 127, 72, 1000, 997
+WIDE_H = 264
 
 
 def part_of(dtype: str) -> str:
@@ -57,12 +59,12 @@ def digest(*outputs) -> str:
     return h.hexdigest()
 
 
-def _inputs(seed: int, n: int, dtype: str):
+def _inputs(seed: int, n: int, dtype: str, h: int = H):
     """numpy inputs: hidden [n, H], weight [V, H], bias [V], targets [n] (some ignored), temperature [n]
     (some small), g, e [n]; and a nucleus keep [n, V] (top 60% of a random score per row)."""
     rng = np.random.default_rng(seed)
-    hidden = rng.standard_normal((n, H)).astype(np.float32)
-    weight = (rng.standard_normal((V, H)) * 4.0 / np.sqrt(H)).astype(np.float32)
+    hidden = rng.standard_normal((n, h)).astype(np.float32)
+    weight = (rng.standard_normal((V, h)) * 4.0 / np.sqrt(h)).astype(np.float32)
     bias = rng.standard_normal(V).astype(np.float32)
     targets = rng.integers(0, REAL, size=n).astype(np.int32)
     targets[rng.random(n) < 0.1] = -100
@@ -124,6 +126,15 @@ def jax_cases(dtype: str) -> dict[str, str]:
                                        temperature=jnp.asarray(r["temperature"]), bias=bias,
                                        real_vocab_size=REAL, return_entropy=True)
         out[f"jax.rollout_n{n}"] = digest(lp, en)
+    w = _inputs(9, 33, dtype, WIDE_H)
+    hw, ww, tw = jnp.asarray(w["hidden"], dt), jnp.asarray(w["weight"], dt), jnp.asarray(w["targets"])
+    for bwd in ("fast", "lean"):
+        def wide(hd, wt, bwd=bwd):
+            lp, en = rlk_xla.linear_logp(hd, wt, tw, real_vocab_size=REAL, return_entropy=True, mode="strict",
+                                         backward=bwd)
+            return jnp.sum(lp) + jnp.sum(en), (lp, en)
+        (_, fw), grads = jax.value_and_grad(wide, argnums=(0, 1), has_aux=True)(hw, ww)
+        out[f"jax.wide_h_{bwd}"] = digest(*fw, *grads)
     return out
 
 
@@ -174,6 +185,12 @@ def torch_cases(dtype: str) -> dict[str, str]:
                                        temperature=torch.tensor(r["temperature"]), bias=b32.to(dt),
                                        real_vocab_size=REAL, return_entropy=True)
         out[f"torch.rollout_n{n}"] = digest(lp, en)
+    w = _inputs(9, 33, dtype, WIDE_H)
+    for bwd in ("fast", "lean"):
+        hd, wt = leaf(w["hidden"]), leaf(w["weight"])
+        lp, en = torch_bridge.linear_logp(hd, wt, torch.tensor(w["targets"]), backward=bwd, **kw)
+        (lp.sum() + en.sum()).backward()
+        out[f"torch.wide_h_{bwd}"] = digest(lp, en, hd.grad, wt.grad)
     return out
 
 
