@@ -27,7 +27,7 @@
 // vocab rows for dH, rows for dW and db) added in order.
 // The lean backward recomputes logits in both passes (four GEMM-equivalents in all), which keeps
 // the threads' outputs disjoint with no fp32 [v, h] or [n, v] scratch; the fast one reads them
-// from the forward's kept logits instead (two GEMM-equivalents).
+// from the forward's saved logits instead (two GEMM-equivalents).
 #include <algorithm>
 #include <cmath>
 #include <vector>
@@ -539,10 +539,10 @@ void keep_tile(const Problem& p, const uint8_t* keep, int64_t r0, int64_t v0, in
   }
 }
 
-// ---- the kept buffer (FwdArgs::logits, the fast backward's input; kept_bytes) --------------------
+// ---- the saved logits (FwdArgs::saved_logits, the fast backward's input; saved_logits_bytes) --------------------
 // fp32 operands: z fp32, as the forward computed it (what lean recomputes, bit for bit), by row
 // block: the nr = min(kBlock, n - r0) rows of the block at row r0 keep z^T [v][nr] from float
-// r0 v on (kept_z), so a (row block, vocab tile) piece is one contiguous run in the tiles' own
+// r0 v on (saved_z), so a (row block, vocab tile) piece is one contiguous run in the tiles' own
 // T[j][r] order, moved with no transpose; n v floats in all.
 // 16-bit operands, one record per row (row_bytes):
 //   float moments[chunks][6]   the chunk's (m, s, a, b, s_keep, a_keep), b = sum_j exp(z_j - m)
@@ -552,77 +552,77 @@ void keep_tile(const Problem& p, const uint8_t* keep, int64_t r0, int64_t v0, in
 //   float z_target             the forward's target_logit
 //   fp16  q[v (even)]          q_j = exp(z_j - mt) of the column's tile, in [0, 1]
 // so p_j = q_j exp((mt - m) - log_s) has fp16's uniform relative error at every |z|, and dT, an
-// fp32 output, comes from the fp32 moments (see kept_dzz) instead of from q.
+// fp32 output, comes from the fp32 moments (see saved_dzz) instead of from q.
 constexpr int64_t kMoments = 6;
-struct KeptRow {
+struct SavedRow {
   int64_t chunks, tiles_per_chunk, floats, bytes;
-  explicit KeptRow(const Problem& p)
+  explicit SavedRow(const Problem& p)
       : chunks(num_chunks(p)), tiles_per_chunk(cdiv(p.chunk, kTileV)),
         floats(chunks * kMoments + chunks * tiles_per_chunk + 1), bytes(floats * 4 + 2 * (p.v + p.v % 2)) {}
-  float* moments(void* kept, int64_t r) const { return reinterpret_cast<float*>(static_cast<char*>(kept) + r * bytes); }
-  float* tile_max(void* kept, int64_t r) const { return moments(kept, r) + chunks * kMoments; }
-  float* z_target(void* kept, int64_t r) const { return tile_max(kept, r) + chunks * tiles_per_chunk; }
-  uint16_t* q(void* kept, int64_t r) const {
-    return reinterpret_cast<uint16_t*>(static_cast<char*>(kept) + r * bytes + floats * 4);
+  float* moments(void* saved, int64_t r) const { return reinterpret_cast<float*>(static_cast<char*>(saved) + r * bytes); }
+  float* tile_max(void* saved, int64_t r) const { return moments(saved, r) + chunks * kMoments; }
+  float* z_target(void* saved, int64_t r) const { return tile_max(saved, r) + chunks * tiles_per_chunk; }
+  uint16_t* q(void* saved, int64_t r) const {
+    return reinterpret_cast<uint16_t*>(static_cast<char*>(saved) + r * bytes + floats * 4);
   }
 };
 
-bool kept_f32(const Problem& p) { return p.dtype == DType::kF32; }
+bool saved_f32(const Problem& p) { return p.dtype == DType::kF32; }
 
 // Rows of the row block that starts at row r0.
 int64_t block_rows(const Problem& p, int64_t r0) { return std::min(kBlock, p.n - r0); }
 
 // The fp32 record's z of column col for the rows of the block at row r0 (contiguous, block_rows).
-float* kept_z(const Problem& p, const void* kept, int64_t r0, int64_t col) {
-  return const_cast<float*>(static_cast<const float*>(kept)) + r0 * p.v + col * block_rows(p, r0);
+float* saved_z(const Problem& p, const void* saved, int64_t r0, int64_t col) {
+  return const_cast<float*>(static_cast<const float*>(saved)) + r0 * p.v + col * block_rows(p, r0);
 }
 
-// Tile T[j][r] (columns v0.., rows r0..) -> the kept buffer for j < cols: z (fp32) or q (16-bit).
-void store_kept(const Problem& p, void* kept, int64_t r0, int64_t v0, int64_t cols, const float* t) {
+// Tile T[j][r] (columns v0.., rows r0..) -> the saved logits for j < cols: z (fp32) or q (16-bit).
+void store_saved(const Problem& p, void* saved, int64_t r0, int64_t v0, int64_t cols, const float* t) {
   const int64_t nr = block_rows(p, r0);
-  if (kept_f32(p)) {
-    for (int64_t j = 0; j < cols; ++j) std::copy_n(t + j * kBlock, nr, kept_z(p, kept, r0, v0 + j));
+  if (saved_f32(p)) {
+    for (int64_t j = 0; j < cols; ++j) std::copy_n(t + j * kBlock, nr, saved_z(p, saved, r0, v0 + j));
     return;
   }
-  const KeptRow row(p);
+  const SavedRow row(p);
   for (int64_t r = 0; r < nr; ++r) {
-    uint16_t* q = row.q(kept, r0 + r) + v0;
+    uint16_t* q = row.q(saved, r0 + r) + v0;
     for (int64_t j = 0; j < cols; ++j) q[j] = f32_to_f16(t[j * kBlock + r]);
   }
 }
 
-// Every byte of the kept buffer is written: chunk c's padding columns [pad0, c1) of rows r0.. get
+// Every byte of the saved logits is written: chunk c's padding columns [pad0, c1) of rows r0.. get
 // z = -inf (fp32) or q = 0 and tile maxima -inf (16-bit; also the odd v's spare q slot).
-void fill_kept_padding(const Problem& p, void* kept, int64_t r0, int64_t c, int64_t pad0) {
-  const KeptRow row(p);
+void fill_saved_padding(const Problem& p, void* saved, int64_t r0, int64_t c, int64_t pad0) {
+  const SavedRow row(p);
   const int64_t c0 = c * p.chunk, c1 = c0 + p.chunk;
-  if (kept_f32(p)) {
-    if (pad0 < c1) std::fill(kept_z(p, kept, r0, pad0), kept_z(p, kept, r0, c1), -INFINITY);
+  if (saved_f32(p)) {
+    if (pad0 < c1) std::fill(saved_z(p, saved, r0, pad0), saved_z(p, saved, r0, c1), -INFINITY);
     return;
   }
   for (int64_t r = r0; r < r0 + block_rows(p, r0); ++r) {
-    std::fill(row.q(kept, r) + pad0, row.q(kept, r) + c1 + (c1 == p.v ? p.v % 2 : 0), uint16_t(0));
-    float* tmax = row.tile_max(kept, r) + c * row.tiles_per_chunk;
+    std::fill(row.q(saved, r) + pad0, row.q(saved, r) + c1 + (c1 == p.v ? p.v % 2 : 0), uint16_t(0));
+    float* tmax = row.tile_max(saved, r) + c * row.tiles_per_chunk;
     std::fill(tmax + cdiv(pad0 - c0, kTileV), tmax + row.tiles_per_chunk, -INFINITY);
   }
 }
 
-// The kept buffer -> T[j][r] for j < valid (z or q); rows past n read as 0 (they get no gradient).
-void load_kept(const Problem& p, const void* kept, int64_t r0, int64_t v0, int64_t valid, float* t) {
+// The saved logits -> T[j][r] for j < valid (z or q); rows past n read as 0 (they get no gradient).
+void load_saved(const Problem& p, const void* saved, int64_t r0, int64_t v0, int64_t valid, float* t) {
   const int64_t nr = block_rows(p, r0);
-  if (kept_f32(p)) {
+  if (saved_f32(p)) {
     for (int64_t j = 0; j < valid; ++j) {
-      std::copy_n(kept_z(p, kept, r0, v0 + j), nr, t + j * kBlock);
+      std::copy_n(saved_z(p, saved, r0, v0 + j), nr, t + j * kBlock);
       std::fill(t + j * kBlock + nr, t + (j + 1) * kBlock, 0.f);
     }
     return;
   }
-  const KeptRow row(p);
+  const SavedRow row(p);
   for (int64_t r = 0; r < kBlock; ++r) {
     if (r >= nr) {
       for (int64_t j = 0; j < valid; ++j) t[j * kBlock + r] = 0.f;
     } else {
-      const uint16_t* q = row.q(const_cast<void*>(kept), r0 + r) + v0;
+      const uint16_t* q = row.q(const_cast<void*>(saved), r0 + r) + v0;
       for (int64_t j = 0; j < valid; ++j) t[j * kBlock + r] = f16_to_f32(q[j]);
     }
   }
@@ -638,9 +638,9 @@ struct FwdScratch {
 void forward_unit(const Problem& p, const FwdArgs& a, const Panels& ap, int64_t blk, int64_t c,
                   FwdScratch& s) {
   const int64_t r0 = blk * kBlock;
-  const bool keep_q = a.logits && !kept_f32(p);  // the 16-bit kept record: q, tile maxima, moments
-  const KeptRow row(p);
-  // sk, ak: s and a over the nucleus (with a.keep; ak only for the kept record)
+  const bool keep_q = a.saved_logits && !saved_f32(p);  // the 16-bit saved record: q, tile maxima, moments
+  const SavedRow row(p);
+  // sk, ak: s and a over the nucleus (with a.keep; ak only for the saved record)
   fvec inv_temp[kRowVecs], m[kRowVecs], sum[kRowVecs], acc_a[kRowVecs], acc_b[kRowVecs], sk[kRowVecs], ak[kRowVecs];
   for (int rv = 0; rv < kRowVecs; ++rv) {
     float tmp[kLanes];
@@ -660,7 +660,7 @@ void forward_unit(const Problem& p, const FwdArgs& a, const Panels& ap, int64_t 
     load_logits_weight(p, a.weight, v0, v0 + valid, s.w);
     tile_logits(p, ap, s.w, blk, s.t.data());
     scale_tile(s.t.data(), p.has_bias ? a.bias + v0 : nullptr, valid, inv_temp);
-    if (a.logits && !keep_q) store_kept(p, a.logits, r0, v0, valid, s.t.data());
+    if (a.saved_logits && !keep_q) store_saved(p, a.saved_logits, r0, v0, valid, s.t.data());
     if (a.keep) keep_tile(p, a.keep, r0, v0, valid, s.kt.data());
     for (int rv = 0; rv < kRowVecs; ++rv) {
       // The tile's sums from zero (few roundings at the row's scale), relative to the new max mt.
@@ -698,11 +698,11 @@ void forward_unit(const Problem& p, const FwdArgs& a, const Panels& ap, int64_t 
       m[rv] = mt;
       if (keep_q)
         for (int l = 0; l < kLanes && r0 + rv * kLanes + l < p.n; ++l)
-          row.tile_max(a.logits, r0 + rv * kLanes + l)[c * row.tiles_per_chunk + (v0 - c0) / kTileV] = mt[l];
+          row.tile_max(a.saved_logits, r0 + rv * kLanes + l)[c * row.tiles_per_chunk + (v0 - c0) / kTileV] = mt[l];
     }
-    if (keep_q) store_kept(p, a.logits, r0, v0, valid, s.t.data());
+    if (keep_q) store_saved(p, a.saved_logits, r0, v0, valid, s.t.data());
   }
-  if (a.logits) fill_kept_padding(p, a.logits, r0, c, std::clamp(real_end, c0, c1));
+  if (a.saved_logits) fill_saved_padding(p, a.saved_logits, r0, c, std::clamp(real_end, c0, c1));
   const int64_t k = num_chunks(p);
   for (int rv = 0; rv < kRowVecs; ++rv)
     for (int l = 0; l < kLanes; ++l) {
@@ -714,7 +714,7 @@ void forward_unit(const Problem& p, const FwdArgs& a, const Panels& ap, int64_t 
       st[2] = p.with_entropy ? acc_a[rv][l] : 0.f;
       if (a.keep) a.keep_sum[r * k + c] = sk[rv][l];
       if (keep_q) {
-        float* mom = row.moments(a.logits, r) + c * kMoments;
+        float* mom = row.moments(a.saved_logits, r) + c * kMoments;
         mom[0] = m[rv][l], mom[1] = sum[rv][l], mom[2] = acc_a[rv][l], mom[3] = acc_b[rv][l];
         mom[4] = sk[rv][l], mom[5] = ak[rv][l];
       }
@@ -761,9 +761,9 @@ void target_logits(const Problem& p, const FwdArgs& a) {
       a.target_logit[r] = (acc + b) * reciprocal(a.temperature[r]);
     }
   });
-  if (a.logits && !kept_f32(p)) {
-    const KeptRow row(p);
-    for (int64_t r = 0; r < p.n; ++r) *row.z_target(a.logits, r) = a.target_logit[r];
+  if (a.saved_logits && !saved_f32(p)) {
+    const SavedRow row(p);
+    for (int64_t r = 0; r < p.n; ++r) *row.z_target(a.saved_logits, r) = a.target_logit[r];
   }
 }
 
@@ -792,7 +792,7 @@ void load_row_block(const Problem& p, const BwdArgs& a, int64_t blk, RowBlock& r
     }
 }
 
-// What a backward tile holds: z (lean; fast with fp32 operands), or q of the 16-bit kept record
+// What a backward tile holds: z (lean; fast with fp32 operands), or q of the 16-bit saved record
 // with, per row, d = mt - m, w = exp(d - log_s) and wk = exp(d - log_s_keep) (p = q w, the
 // nucleus's p = q wk, z - m = log q + d).
 struct TileKind {
@@ -838,23 +838,23 @@ void dlogit_tile(float* t, int64_t gid0, int64_t valid, const RowBlock& rb, cons
 }
 
 // The tile of row block `blk` and columns [v0, v0 + valid) (forward tile `tile` of the row): from
-// the kept buffer (fast) or recomputed (lean; needs the logits' weight tile in w).
+// the saved logits (fast) or recomputed (lean; needs the logits' weight tile in w).
 void z_tile(const Problem& p, const BwdArgs& a, const Panels& ap, int64_t blk, int64_t v0, int64_t valid,
             int64_t tile, const RowBlock& rb, WeightTile& w, float* t, TileKind& kind) {
-  kind.q = a.logits && !kept_f32(p);
-  if (!a.logits) {
+  kind.q = a.saved_logits && !saved_f32(p);
+  if (!a.saved_logits) {
     tile_logits(p, ap, w, blk, t);
     scale_tile(t, p.has_bias ? a.bias + v0 : nullptr, valid, rb.inv_temp);
     return;
   }
-  load_kept(p, a.logits, blk * kBlock, v0, valid, t);
+  load_saved(p, a.saved_logits, blk * kBlock, v0, valid, t);
   if (!kind.q) return;
-  const KeptRow row(p);
+  const SavedRow row(p);
   for (int rv = 0; rv < kRowVecs; ++rv) {
     float mt[kLanes];
     for (int l = 0; l < kLanes; ++l) {
       const int64_t r = blk * kBlock + rv * kLanes + l;
-      mt[l] = rb.active[rv][l] > 0.f ? row.tile_max(a.logits, r)[tile] : 0.f;
+      mt[l] = rb.active[rv][l] > 0.f ? row.tile_max(a.saved_logits, r)[tile] : 0.f;
     }
     kind.d[rv] = vload(mt) - rb.m[rv];
     kind.w[rv] = vexp(kind.d[rv] - rb.log_s[rv]);
@@ -862,23 +862,23 @@ void z_tile(const Problem& p, const BwdArgs& a, const Panels& ap, int64_t blk, i
   }
 }
 
-// sum_j dz_j (z_j - m) of this shard's columns for the rows of rb, from the 16-bit kept record's
+// sum_j dz_j (z_j - m) of this shard's columns for the rows of rb, from the 16-bit saved record's
 // fp32 chunk moments (m_c, s_c, a_c, b_c, sk_c, ak_c; moments_dzz, with a nucleus kept_moments_dzz)
 // and the target, when it is a column of this shard (and, with a nucleus, kept), g (z_t - m).
-void kept_dzz(const Problem& p, const BwdArgs& a, int64_t blk, const RowBlock& rb, fvec* dzz) {
-  const KeptRow row(p);
+void saved_dzz(const Problem& p, const BwdArgs& a, int64_t blk, const RowBlock& rb, fvec* dzz) {
+  const SavedRow row(p);
   const int64_t real_end = std::clamp<int64_t>(p.real_vocab - p.vocab_start, 0, p.v);
   for (int rv = 0; rv < kRowVecs; ++rv)
     for (int l = 0; l < kLanes; ++l) {
       const int64_t r = blk * kBlock + rv * kLanes + l;
       if (!(rb.active[rv][l] > 0.f)) continue;
       const float m = rb.m[rv][l], log_s = rb.log_s[rv][l], g = rb.g[rv][l], e = rb.e[rv][l], c = rb.c[rv][l];
-      const float* mom = row.moments(a.logits, r);
+      const float* mom = row.moments(a.saved_logits, r);
       float acc = 0.f;
       for (int64_t k = 0; k < row.chunks; ++k, mom += kMoments)
         acc += a.keep ? kept_moments_dzz(mom, m, log_s, rb.log_s_keep[rv][l], c, g, e) : moments_dzz(mom, m, log_s, c, g, e);
       const int64_t t = rb.target[rv][l] - p.vocab_start;
-      if (t >= 0 && t < real_end && (!a.keep || a.keep[r * p.v + t])) acc += g * (*row.z_target(a.logits, r) - m);
+      if (t >= 0 && t < real_end && (!a.keep || a.keep[r * p.v + t])) acc += g * (*row.z_target(a.saved_logits, r) - m);
       dzz[rv][l] = acc;
     }
 }
@@ -944,7 +944,7 @@ void dhidden_unit(const Problem& p, const BwdArgs& a, const Panels& ap, int64_t 
   TileKind kind[kDhBlocks];
   for (int64_t b = 0; b < nb; ++b) {
     load_row_block(p, a, blk0 + b, rb[b]);
-    if (a.logits && !kept_f32(p)) kept_dzz(p, a, blk0 + b, rb[b], dzz[b]);
+    if (a.saved_logits && !saved_f32(p)) saved_dzz(p, a, blk0 + b, rb[b], dzz[b]);
   }
   const int64_t t_size = s.t.size() / kDhBlocks, dh_size = s.dh.size() / kDhBlocks;
   std::fill(s.dh.begin(), s.dh.end(), 0.f);
@@ -960,7 +960,7 @@ void dhidden_unit(const Problem& p, const BwdArgs& a, const Panels& ap, int64_t 
 #if defined(__AVX512BF16__)
       if (dp_bf16(p)) load_weight_row_pairs(p, a.weight, v0, v0 + valid, s.wj.data());  // dH's operand
 #endif
-      if (!a.logits) load_logits_weight(p, a.weight, v0, v0 + valid, s.w);  // lean's logits
+      if (!a.saved_logits) load_logits_weight(p, a.weight, v0, v0 + valid, s.w);  // lean's logits
       for (int64_t b = 0; b < nb; ++b) {
         float* t = s.t.data() + b * t_size + gathered * kBlock;
         z_tile(p, a, ap, blk0 + b, v0, valid, tile, rb[b], s.w, t, kind[b]);
@@ -1025,7 +1025,7 @@ void dweight_unit(const Problem& p, const BwdArgs& a, const Panels& ap, int64_t 
   std::fill(s.dw.begin(), s.dw.end(), 0.f);
   float db[kTileV] = {};
   if (valid > 0) {
-    if (!a.logits) load_logits_weight(p, a.weight, v0, v0 + valid, s.w);
+    if (!a.saved_logits) load_logits_weight(p, a.weight, v0, v0 + valid, s.w);
     RowBlock rb;
     TileKind kind;
     const int64_t blocks = cdiv(p.n, kBlock);
@@ -1075,9 +1075,9 @@ Status forward(const Problem& p, const FwdArgs& a) {
   return nullptr;
 }
 
-size_t kept_bytes(const Problem& p) {
+size_t saved_logits_bytes(const Problem& p) {
   if (p.chunk <= 0 || p.v % p.chunk != 0) return 0;
-  return size_t(p.n) * size_t(kept_f32(p) ? p.v * 4 : KeptRow(p).bytes);
+  return size_t(p.n) * size_t(saved_f32(p) ? p.v * 4 : SavedRow(p).bytes);
 }
 
 Status combine(const CombineArgs& a) {
@@ -1102,8 +1102,8 @@ Status backward(const Problem& p, const BwdArgs& a) {
   if (dp_bf16(p)) ap.row_pairs = pack_hidden_row_pairs(p, a.hidden);  // dW's operand
 #endif
   if (!dp_bf16(p)) ap.t = pack_hidden(p, a.hidden, padded_n(p));  // dW's operand
-  if (!a.logits && !dp_bf16(p)) ap.f32 = pack_hidden(p, a.hidden, kPanel);  // lean's logits
-  if (!a.logits && dp_bf16(p)) ap.pairs = pack_hidden_pairs(p, a.hidden);  // lean's logits
+  if (!a.saved_logits && !dp_bf16(p)) ap.f32 = pack_hidden(p, a.hidden, kPanel);  // lean's logits
+  if (!a.saved_logits && dp_bf16(p)) ap.pairs = pack_hidden_pairs(p, a.hidden);  // lean's logits
   const int64_t blocks = cdiv(p.n, kBlock), tiles = num_chunks(p) * cdiv(p.chunk, kTileV);
   auto make = [&](int workers, bool pass1) {
     std::vector<BwdScratch> sc(static_cast<size_t>(workers));

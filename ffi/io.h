@@ -98,7 +98,7 @@ struct CombineOut {
 };
 
 // forward: per-(row, chunk) statistics and the target logit; with saved_logits (non-empty) also
-// what the fast backward reads (kept_bytes of the executor, in its own layout). DLPack only: a
+// what the fast backward reads (saved_logits_bytes of the executor, in its own layout). DLPack only: a
 // nucleus (keep, keep_sum) and the combine of a call over the whole vocab in the same call.
 struct ForwardIO : Operands, CombineOut {
   Buf keep;
@@ -280,13 +280,13 @@ inline void check_problem(Rules& r, const Operands& io, const Attrs& at, Problem
   r.need("temperature", io.temperature, Elem::kF32, {p->n});
 }
 
-// The saved logits: absent or empty (nothing saved), else uint8 of at least kept_bytes a batch item.
+// The saved logits: absent or empty (nothing saved), else uint8 of at least saved_logits_bytes a batch item.
 inline bool saved(const Buf& b) { return b.given && b.core_elems() > 0; }
-inline void check_saved(Rules& r, const Buf& b, size_t kept_bytes) {
+inline void check_saved(Rules& r, const Buf& b, size_t saved_logits_bytes) {
   if (!saved(b)) return;
   r.need("saved_logits", b, Elem::kU8, {kAny}, true);
-  r.require(b.core_bytes() >= int64_t(kept_bytes),
-            "saved_logits (the fast backward's record) must hold kept_bytes(problem) bytes per batch item");
+  r.require(b.core_bytes() >= int64_t(saved_logits_bytes),
+            "saved_logits (the fast backward's record) must hold saved_logits_bytes(problem) bytes per batch item");
 }
 
 inline void check_combine_out(Rules& r, const CombineOut& io, int64_t n) {
@@ -296,14 +296,14 @@ inline void check_combine_out(Rules& r, const CombineOut& io, int64_t n) {
   r.maybe("log_s_keep", io.log_s_keep, Elem::kF32, {n}, true);
 }
 
-inline void check(Rules& r, const ForwardIO& io, const Attrs& at, size_t (*kept_bytes)(const Problem&),
+inline void check(Rules& r, const ForwardIO& io, const Attrs& at, size_t (*saved_logits_bytes)(const Problem&),
                           Problem* p) {
   check_problem(r, io, at, p);
   if (r.fail) return;
   const int64_t n = p->n, k = num_chunks(*p);
   r.need("stats", io.stats, Elem::kF32, {n, k, kStatWidth}, true);
   r.need("target_logit", io.target_logit, Elem::kF32, {n}, true);
-  check_saved(r, io.saved_logits, kept_bytes(*p));
+  check_saved(r, io.saved_logits, saved_logits_bytes(*p));
   r.maybe("workspace", io.workspace, Elem::kU8, {kAny}, true);
   r.require(io.keep.given == io.keep_sum.given, "keep and keep_sum come together");
   r.maybe("keep (the nucleus: uint8 [n, v_local])", io.keep, Elem::kU8, {n, p->v});
@@ -329,7 +329,7 @@ inline void check_combine(Rules& r, const CombineIO& io) {
   check_combine_out(r, io, n);
 }
 
-inline void check(Rules& r, const BackwardIO& io, const Attrs& at, size_t (*kept_bytes)(const Problem&),
+inline void check(Rules& r, const BackwardIO& io, const Attrs& at, size_t (*saved_logits_bytes)(const Problem&),
                            Problem* p) {
   check_problem(r, io, at, p);
   if (r.fail) return;
@@ -340,7 +340,7 @@ inline void check(Rules& r, const BackwardIO& io, const Attrs& at, size_t (*kept
     r.need("entropy", io.entropy, Elem::kF32, {n});
     r.need("e", io.e, Elem::kF32, {n});
   }
-  check_saved(r, io.saved_logits, kept_bytes(*p));
+  check_saved(r, io.saved_logits, saved_logits_bytes(*p));
   // dhidden: f32 (a vocab shard's partial sum) or the operand dtype (the backend checks which).
   r.need("dhidden", io.dhidden, io.dhidden.elem == Elem::kF32 ? Elem::kF32 : io.hidden.elem, {n, p->h}, true);
   r.need("dweight", io.dweight, io.hidden.elem, {p->v, p->h}, true);
@@ -417,7 +417,7 @@ Rules rules_of(const IO& io, bool batched) {
 template <class IO, class Exec>
 Fail prepare(Exec& ex, const IO& io, const Attrs& at, bool batched, Problem* p, Batch* batch) {
   Rules r = rules_of(io, batched);
-  if (!r.fail) check(r, io, at, Exec::kept_bytes, p);
+  if (!r.fail) check(r, io, at, Exec::saved_logits_bytes, p);
   if (r.fail) return r.fail;
   ex.use_workspace(io.workspace.data, io.workspace.given ? size_t(io.workspace.core_bytes()) : 0);
   *batch = Batch(r.batch);
@@ -443,7 +443,7 @@ Fail run(Exec& ex, const ForwardIO& io, const Attrs& at, bool batched) {
     a.stats = batch.at<float>(io.stats, b);
     a.target_logit = batch.at<float>(io.target_logit, b);
     a.keep_sum = batch.at<float>(io.keep_sum, b);
-    a.logits = saved(io.saved_logits) ? batch.at(io.saved_logits, b) : nullptr;
+    a.saved_logits = saved(io.saved_logits) ? batch.at(io.saved_logits, b) : nullptr;
     if (Fail f = kernel(ex.forward(p, a))) return f;
     if (!combine) continue;
     CombineArgs c;
@@ -501,7 +501,7 @@ Fail run(Exec& ex, const BackwardIO& io, const Attrs& at, bool batched) {
     a.e = p.with_entropy ? batch.at<const float>(io.e, b) : nullptr;
     a.keep = batch.at<const uint8_t>(io.keep, b);
     a.log_s_keep = batch.at<const float>(io.log_s_keep, b);
-    a.logits = saved(io.saved_logits) ? batch.at(io.saved_logits, b) : nullptr;
+    a.saved_logits = saved(io.saved_logits) ? batch.at(io.saved_logits, b) : nullptr;
     a.dhidden = batch.at(io.dhidden, b);
     a.dhidden_dtype = dh_dtype;
     a.dweight = batch.at(io.dweight, b);

@@ -170,10 +170,10 @@ void dl_backward(const nb::kwargs& kw) {
 }
 
 // The saved logits' bytes on a device (nb::device::cpu or cuda) for this problem.
-size_t kept_bytes_on(int device, const rlk::Problem& p) {
-  if (device == nb::device::cpu::value) return rlk::cpu::kept_bytes(p);
+size_t saved_logits_bytes_on(int device, const rlk::Problem& p) {
+  if (device == nb::device::cpu::value) return rlk::cpu::saved_logits_bytes(p);
 #if RLK_HAVE_CUDA
-  return rlk::cuda::kept_bytes(p);
+  return rlk::cuda::saved_logits_bytes(p);
 #else
   throw std::invalid_argument("rlk: this build has no CUDA backend");
 #endif
@@ -202,7 +202,7 @@ nb::dict kernel(const char* reason_if_not, bool built) {
 nb::dict platform(const char* name, const char* xla, const char* jax_backend, const char* jax_lowering,
                   int dlpack_device, bool workspace, bool built, const char* reason_if_not, nb::dict kernels) {
   nb::dict d;
-  d["name"] = name;                  // kept_bytes' device, rlk_common's key; torch's device type
+  d["name"] = name;                  // saved_logits_bytes' device, rlk_common's key; torch's device type
   d["xla_platform"] = xla;           // jax.ffi.register_ffi_target's platform
   d["jax_backend"] = jax_backend;    // jax.default_backend() on it
   d["jax_lowering"] = jax_lowering;  // lax.platform_dependent's keyword
@@ -268,12 +268,12 @@ NB_MODULE(_rlk_core, m) {
         "whether this build runs it (supported) and why not (reason), and its kernels {route counter name:\n"
         "{supported, reason}}. The frontends ask this instead of naming devices themselves.");
 
-  m.def("kept_bytes",
+  m.def("saved_logits_bytes",
         [](int64_t n, int64_t v, int64_t chunk, rlk::DType dtype, const std::string& device) {
           const int dev = device_of(device);
           if (!rlk::io::chunk_fits(v, chunk)) throw std::invalid_argument(rlk::io::invalid(rlk::io::kChunkRule).what);
           const rlk::Problem p = shape_problem(n, 0, v, chunk, dtype, false, false);
-          return int64_t(kept_bytes_on(dev, p));
+          return int64_t(saved_logits_bytes_on(dev, p));
         },
         nb::arg("n"), nb::arg("v"), nb::arg("chunk"), nb::arg("dtype").noconvert(), nb::arg("device"),
         "Bytes of the fast backward's saved logits (uint8) on platform `device` ('cpu' or 'cuda') for this\n"
@@ -372,7 +372,7 @@ NB_MODULE(_rlk_core, m) {
 
   m.def("forward", &dl_forward,
         "Forward statistics (DLPack; keyword arguments, io.h's ForwardIO by name): stats [n, v/chunk, 3] f32\n"
-        "and target_logit [n] f32 into the caller's buffers, and with saved_logits (uint8 [kept_bytes]) the\n"
+        "and target_logit [n] f32 into the caller's buffers, and with saved_logits (uint8 [saved_logits_bytes]) the\n"
         "fast backward's record. With logp, entropy, m and log_s [n] f32 (a call over the whole vocab) also\n"
         "their combine, as `combine` would. keep: a top-p nucleus, uint8 [n, v_local], with keep_sum\n"
         "[n, v/chunk] f32 (the kept sums) and, combining, log_s_keep [n]: logp is then over the nucleus\n"

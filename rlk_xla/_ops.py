@@ -16,7 +16,7 @@ from jax import lax
 
 import rlk_common as common
 
-from ._args import kept_bytes
+from ._args import saved_logits_bytes
 from ._compat import result_type
 from ._core import PLATFORMS, core, registered_platforms
 
@@ -79,10 +79,10 @@ def _bias_arg(bias):
 def forward(hidden, weight, bias, targets, temperature, cfg: KernelConfig, save_logits: bool = False):
     """bias: [v] f32 or None; temperature [n] f32 (the kernels form 1/T). -> stats [n, v/chunk, STAT_WIDTH]
     f32, target_logit [n] f32 (0 where the target is not a real id of this shard), saved_logits: with
-    save_logits the fast backward's record, uint8 [kept_bytes] in the backend's own layout, else [0]."""
+    save_logits the fast backward's record, uint8 [saved_logits_bytes] in the backend's own layout, else [0]."""
     n, v = hidden.shape[0], weight.shape[0]
     args = (hidden, weight, _bias_arg(bias), targets, temperature)
-    saved = kept_bytes(n, v, cfg.chunk, hidden.dtype) if save_logits else 0
+    saved = saved_logits_bytes(n, v, cfg.chunk, hidden.dtype) if save_logits else 0
     results = (_sds((n, v // cfg.chunk, STAT_WIDTH), F32, args), _sds((n,), F32, args), _sds((saved,), jnp.uint8, args))
     return _on_platform(results, _workspace(hidden, weight, cfg, "forward"), "rlk_forward", args, cfg.attrs())
 

@@ -218,7 +218,7 @@ def test_kernel_entry_points_reject_wrong_dtype_and_shape():
         forward(hidden=h.double())
     with pytest.raises(ValueError, match="unknown keyword"):
         forward(hiden=h)
-    # the saved logits: uint8 of at least kept_bytes (fp32 operands: z [n, v] fp32)
+    # the saved logits: uint8 of at least saved_logits_bytes (fp32 operands: z [n, v] fp32)
     for bad in (torch.empty((4, 10)), torch.empty(4 * 10 * 4 - 1, dtype=torch.uint8)):
         with pytest.raises(ValueError, match="saved_logits"):
             forward(saved_logits=bad)

@@ -28,7 +28,7 @@ own GPU divisions differ in the last bit). Bias, when given, is fp32. Outputs an
 the CUDA workspace are allocated with torch's allocator; CUDA kernels run on the current stream.
 
 Saved logits (backward="fast"): what the backend's backward needs of the shard's logits z = (h.W + b)
-/ T, uint8 [_args.kept_bytes] in the backend's own layout (`saved_logits` below). When nothing is
+/ T, uint8 [_args.saved_logits_bytes] in the backend's own layout (`saved_logits` below). When nothing is
 saved the ops carry an empty [0] tensor in its place, and the backward then recomputes the logits
 ("lean"). The backward declares `saved_logits` mutated: on CUDA it overwrites it with dlogit, so it
 serves one backward. (Optional[Tensor] with None for lean would read better, but Inductor fails
@@ -46,7 +46,7 @@ from torch import Tensor
 
 import rlk_common as common
 
-from ._args import dtype_name, kept_bytes
+from ._args import dtype_name, saved_logits_bytes
 from ._core import PLATFORMS, core
 
 F32 = torch.float32
@@ -135,8 +135,8 @@ def _workspace(hidden: Tensor, v: int, chunk: int, has_bias: bool, with_entropy:
 
 
 def _saved_like(hidden: Tensor, v: int, chunk: int, save_logits: bool) -> Tensor:
-    """The saved logits: uint8 [kept_bytes] (written by the forward), or the empty [0]."""
-    nbytes = kept_bytes(hidden.shape[0], v, chunk, hidden.dtype, hidden.device) if save_logits else 0
+    """The saved logits: uint8 [saved_logits_bytes] (written by the forward), or the empty [0]."""
+    nbytes = saved_logits_bytes(hidden.shape[0], v, chunk, hidden.dtype, hidden.device) if save_logits else 0
     return hidden.new_empty((nbytes,), dtype=torch.uint8)
 
 
@@ -144,7 +144,7 @@ def _saved(saved_logits: Tensor, hidden: Tensor, v: int, chunk: int) -> Optional
     """The saved logits for the fast backward, or None (lean) for the empty [0] tensor."""
     if saved_logits.numel() == 0:
         return None
-    want = kept_bytes(hidden.shape[0], v, chunk, hidden.dtype, hidden.device)
+    want = saved_logits_bytes(hidden.shape[0], v, chunk, hidden.dtype, hidden.device)
     if tuple(saved_logits.shape) != (want,) or saved_logits.dtype != torch.uint8:
         raise ValueError(f"saved_logits must be the forward's saved logits, uint8 [{want}], or an empty [0] "
                          f"tensor (lean backward), got {tuple(saved_logits.shape)} {saved_logits.dtype}")
@@ -221,7 +221,7 @@ def forward_stats(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], target
                   vocab_start: int, real_vocab: int, chunk: int, ignore_index: int, with_entropy: bool,
                   save_logits: bool, keep: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """(stats [n, v/chunk, 3] f32, target_logit [n] f32 (0 unless the target is in this shard; with
-    keep, -inf when it is outside the nucleus), saved logits uint8 [kept_bytes] or [0], keep_sum
+    keep, -inf when it is outside the nucleus), saved logits uint8 [saved_logits_bytes] or [0], keep_sum
     [n, v/chunk] f32 (the nucleus's sum of exp(z - m_chunk) per chunk) or [0] without keep)."""
     return _forward_stats(hidden, weight, bias, targets, temperature, vocab_start, real_vocab, chunk, ignore_index,
                           with_entropy, save_logits, keep)
