@@ -342,7 +342,7 @@ void reset_counts();
 namespace cpu {
 // Bytes of the CPU backend's saved logits (FwdArgs::saved_logits, BwdArgs::saved_logits): z fp32 (n v floats,
 // by row block) for fp32 operands; for 16-bit operands a record per row of fp16 q = exp(z - tile
-// max) with the fp32 tile maxima, chunk moments and target logit (cpu/linear_logp_cpu.cc).
+// max) with the fp32 tile maxima, chunk moments and target logit (cpu/saved_logits.h).
 // Row-separable: the bytes of n rows are n times those of one.
 size_t saved_logits_bytes(const Problem& p);
 Status forward(const Problem& p, const FwdArgs& a);
