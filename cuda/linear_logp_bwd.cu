@@ -329,7 +329,7 @@ Status backward_fast(const Problem& p, const BwdArgs& a, Workspace ws, cudaStrea
 // dW[piece] (+)= dlogit^T H[pass]. The tile is "fused" (the sm90 kernel, Epi::kDlogit: wherever
 // forward_backend picks it) or made by the "gemm" path (cuBLAS z in fp32, then dlogit_kernel).
 // The workspace, the pieces and the dH row sweeps are planned on the host (lean_plan.h).
-bool lean_fused(const Problem& p, bool nucleus = false) { return forward_backend(p, nucleus) == Backend::kCudaSm90; }
+using detail::lean_fused;  // dispatch.cc
 
 #if RLK_HAVE_SM90
 // dtemp (+)= the row's sum over this piece's splits, in split order; the last piece makes it dT.

@@ -17,10 +17,6 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
-#include <atomic>
-#include <cstdlib>
-#include <cstring>
-#include <mutex>
 
 #include "lp_gemm_portable.cuh"
 #include "lp_internal.h"
@@ -33,25 +29,6 @@ namespace {
   do {                                                     \
     if (cudaGetLastError() != cudaSuccess) return msg;     \
   } while (0)
-
-// ---- device capability cache ------------------------------------------------------------------
-constexpr int kMaxDevices = 64;
-int g_cc[kMaxDevices];  // 0 = unknown, else major*10+minor
-std::once_flag g_cc_once[kMaxDevices];
-
-[[maybe_unused]] int device_cc() {
-  int dev = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= kMaxDevices) return 0;
-  std::call_once(g_cc_once[dev], [dev] {
-    int ma = 0, mi = 0;
-    cudaDeviceGetAttribute(&ma, cudaDevAttrComputeCapabilityMajor, dev);
-    cudaDeviceGetAttribute(&mi, cudaDevAttrComputeCapabilityMinor, dev);
-    g_cc[dev] = ma * 10 + mi;
-  });
-  return g_cc[dev];
-}
-
-std::atomic<int> g_sm90_on{-1};  // -1: not read from the environment yet
 
 // ---- small helpers ----------------------------------------------------------------------------
 __device__ __forceinline__ float warp_max(float x) {
@@ -349,31 +326,6 @@ Status forward_t(const Problem& p, const FwdArgs& a, Workspace ws, cudaStream_t 
 
 // ---- the API ----------------------------------------------------------------------------------
 using namespace detail;
-
-void detail::set_sm90_enabled(bool on) { g_sm90_on.store(on ? 1 : 0); }
-bool detail::sm90_enabled() {
-  int v = g_sm90_on.load();
-  if (v < 0) {
-    const char* e = std::getenv("RLK_CUDA_DISABLE_SM90");
-    v = (e != nullptr && std::strcmp(e, "0") != 0) ? 0 : 1;
-    int expect = -1;
-    g_sm90_on.compare_exchange_strong(expect, v);
-    v = g_sm90_on.load();
-  }
-  return v == 1;
-}
-
-Backend forward_backend(const Problem& p, bool nucleus) {
-#if RLK_HAVE_SM90
-  if (!nucleus && sm90_enabled() && device_cc() == 90 && (p.dtype == DType::kBF16 || p.dtype == DType::kF16) && p.h > 0 &&
-      p.h % kSm90HMultiple == 0)
-    return Backend::kCudaSm90;
-#else
-  (void)p;
-  (void)nucleus;
-#endif
-  return Backend::kCudaPortable;
-}
 
 size_t forward_workspace_bytes(const Problem& p) {
   if (p.n <= 0 || p.v <= 0 || p.chunk <= 0) return 0;

@@ -17,9 +17,13 @@ struct Workspace {
   size_t bytes = 0;
 };
 
-// Which forward kernel `forward` will run for this problem on the current device; `nucleus`: with
-// FwdArgs::keep (the portable kernel: the sm90 epilogue takes no nucleus).
+// The dispatch (dispatch.cc, its one home): which forward kernel `forward` will run for this problem
+// on the current device (`nucleus`: with FwdArgs::keep: the sm90 epilogue takes none); why the
+// sm90 kernel cannot run on `device` (p: also this problem), null if it can; a device's compute
+// capability (major * 10 + minor, 0 if unknown).
 Backend forward_backend(const Problem& p, bool nucleus = false);
+const char* sm90_unsupported(int device, const Problem* p = nullptr, bool nucleus = false);
+int device_cc(int device);
 
 size_t forward_workspace_bytes(const Problem& p);
 

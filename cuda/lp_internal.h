@@ -33,6 +33,9 @@ inline int64_t fwd_rows_per_pass(const Problem& p) {
 // environment variable RLK_CUDA_DISABLE_SM90 (any value but "0" disables) at first use.
 void set_sm90_enabled(bool on);
 bool sm90_enabled();
+// Whether the lean backward's dlogit tiles come from the sm90 kernel's recompute (wherever
+// forward_backend picks it) rather than the cuBLAS z + dlogit pass. dispatch.cc.
+bool lean_fused(const Problem& p, bool nucleus = false);
 
 #if RLK_HAVE_SM90
 extern const char* const kSm90Misaligned;  // returned when TMA cannot take the pointers

@@ -214,12 +214,18 @@ nb::dict platform(const char* name, const char* xla, const char* jax_backend, co
   return d;
 }
 
-nb::dict platforms() {
+// cuda_device: also the architecture test of that device (the sm90 kernel's; cuda/dispatch.cc).
+nb::dict platforms(std::optional<int> cuda_device) {
   nb::dict cpu_kernels, cuda_kernels, out;
   cpu_kernels[rlk::backend_name(rlk::Backend::kCpu)] = kernel("", true);
-  cuda_kernels[rlk::backend_name(rlk::Backend::kCudaSm90)] = kernel(
-      RLK_HAVE_CUDA ? "built without the SM90 fast path (nvcc < 12 or RLK_SM90=OFF)" : kNoCuda,
-      RLK_HAVE_CUDA && RLK_HAVE_SM90);
+#if RLK_HAVE_CUDA
+  const char* no_sm90 = cuda_device ? rlk::cuda::sm90_unsupported(*cuda_device)
+                                    : (RLK_HAVE_SM90 ? nullptr : rlk::cuda::sm90_unsupported(0));
+#else
+  (void)cuda_device;
+  const char* no_sm90 = kNoCuda;
+#endif
+  cuda_kernels[rlk::backend_name(rlk::Backend::kCudaSm90)] = kernel(no_sm90 ? no_sm90 : "", !no_sm90);
   cuda_kernels[rlk::backend_name(rlk::Backend::kCudaPortable)] = kernel(kNoCuda, RLK_HAVE_CUDA);
   cuda_kernels[rlk::backend_name(rlk::Backend::kCudaBlas)] = kernel(kNoCuda, RLK_HAVE_CUDA);
   out["cpu"] = platform("cpu", "cpu", "cpu", "cpu", nb::device::cpu::value, false, true, "", cpu_kernels);
@@ -263,10 +269,12 @@ NB_MODULE(_rlk_core, m) {
     return out;
   });
 
-  m.def("platforms", &platforms,
+  m.def("platforms", &platforms, nb::arg("cuda_device") = nb::none(),
         "The platforms this module knows, by name ('cpu', 'cuda'): each one's names in XLA, jax and DLPack,\n"
-        "whether this build runs it (supported) and why not (reason), and its kernels {route counter name:\n"
-        "{supported, reason}}. The frontends ask this instead of naming devices themselves.");
+        "whether this build runs it (supported) and why not (reason), whether its calls take a workspace, and\n"
+        "its kernels {route counter name: {supported, reason}}; with cuda_device (an index), the sm90\n"
+        "kernel's architecture test on that device too (per problem, forward_backend also needs bf16/fp16, h\n"
+        "a multiple of 64 and no nucleus). The frontends ask this instead of naming devices themselves.");
 
   m.def("saved_logits_bytes",
         [](int64_t n, int64_t v, int64_t chunk, rlk::DType dtype, const std::string& device) {
