@@ -41,6 +41,25 @@ def count_reference(targets: torch.Tensor, reason: str | None) -> torch.Tensor:
     return _count_reference(targets, reason or "")
 
 
+@torch.library.custom_op("rlk::refuse_audit", mutates_args=())
+def _refuse_audit(targets: torch.Tensor, caller: str) -> torch.Tensor:
+    """mode="audit" inside torch.compile: the RuntimeError, raised when the compiled code runs. (A
+    raise while dynamo traces reaches the caller as dynamo's "Observed exception" under
+    fullgraph=True, and otherwise makes dynamo rerun the frame eagerly, where nothing refuses.)"""
+    raise RuntimeError(_common.audit_in_compile(caller))
+
+
+@_refuse_audit.register_fake
+def _(targets, caller):
+    return torch.empty_like(targets)
+
+
+def refuse_audit(targets: torch.Tensor, caller: str) -> torch.Tensor:
+    """The targets through an op that raises audit's RuntimeError when the compiled code runs
+    (before any kernel that reads them)."""
+    return _refuse_audit(targets, caller)
+
+
 def note_backend(backend_id: str) -> None:
     _log.note_backend(backend_id)
 
