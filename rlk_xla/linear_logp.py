@@ -38,12 +38,15 @@ def linear_logp(hidden, weight, targets, *, bias=None, temperature=1.0, ignore_i
     targets [...] integer ids of the global vocab. Returns fp32 logp shaped like targets, or
     (logp, entropy) with return_entropy=True; differentiable in hidden, weight, bias and a
     temperature array (docs/design.md §1 has the math).
-    temperature: a float > 0 or an fp32 array shaped like targets (per token, differentiable).
+    temperature: a float > 0 or an fp32 array shaped like targets (per token, differentiable); its
+    entries that are not finite and > 0 give NaN rows (rlk_common.valid_temperatures). A hidden
+    size of 0 gives the bias's logp (0 without a bias), exactly, through the reference.
     ignore_index rows give 0 and no gradient. Ids outside [0, real_vocab_size) are not checked
     (that would need a host sync inside jit): their rows give NaN logp and entropy and no
     gradient; rlk_xla.validate_targets raises ValueError for them, eagerly.
     Inside shard_map pass axis_name: weight (and bias) are this device's vocab shard, vocab_start
-    defaults to axis_index * V, real_vocab_size to the padded global vocab.
+    defaults to axis_index * V, real_vocab_size to the padded global vocab; padding columns are exact
+    for temperatures up to 2**126 (a larger number raises ValueError, an array's rows are NaN).
     mode: one of MODES, default env RLK_MODE, else "auto"; what each runs, raises and counts (in
     route_stats()) is rlk_common.route_call's docstring.
     backward: the gradient's strategy, "auto" (default), "fast" or "lean", with
