@@ -135,6 +135,15 @@ def scalar_temperature(temperature) -> float | None:
     return float(temperature)
 
 
+def valid_temperatures(temperature, xp):
+    """A temperature array's rule (both frontends; xp: torch or jax.numpy): entries that are not
+    finite and > 0 (negative, 0, +inf, NaN) become NaN, so their rows give NaN logp and entropy (as a
+    zero always did), never softmax(-z / |T|) or -log V. Elementwise, no host sync (it runs under
+    jit, torch.compile and CUDA-graph capture). Its gradient reaches the valid entries alone. A
+    Python number is checked eagerly instead (scalar_temperature: ValueError)."""
+    return xp.where((temperature > 0) & (temperature < float("inf")), temperature, float("nan"))
+
+
 def shard_chunk(canonical: int, v_local: int) -> int:
     """The chunk a vocab shard of v_local rows is reduced in: the global vocab's canonical chunk
     when the shard holds whole canonical chunks, else the whole shard (which works, without the
@@ -190,10 +199,10 @@ class Route(typing.NamedTuple):
     reason: str | None    # the fallback's reason (the route log's key); None for mode off
 
 
-def route_call(mode: str, rows: int, reason: str | None, caller: str) -> Route:
-    """The route of one call under `mode` (resolve_mode) over `rows` rows; `reason`: why the fused
-    kernels cannot take the call (an unsupported dtype, no kernel for the platform), None if they
-    can. The modes:
+def route_call(mode: str, rows: int, reason: str | None, caller: str, hidden_size: int | None = None) -> Route:
+    """The route of one call under `mode` (resolve_mode) over `rows` rows of `hidden_size` (None:
+    not known); `reason`: why the fused kernels cannot take the call (an unsupported dtype, no
+    kernel for the platform), None if they can. The modes:
     - "auto" (the default): the kernels; where they cannot run, the reference, its fallback
       reason counted in the route log;
     - "strict": the kernels; where they cannot run, RuntimeError naming the reason;
@@ -201,9 +210,10 @@ def route_call(mode: str, rows: int, reason: str | None, caller: str) -> Route:
     - "audit": as auto, and where the kernels run the reference too: the result (and gradients)
       are the kernels', and the route log's audit records per call how many rows' logp equal the
       reference's bit for bit and the mean and max |logp - reference logp|.
-    A call of no rows runs the reference, uncounted, in every mode."""
-    if rows == 0 or mode == "off":
-        return Route(fused=False, audit=False, counted=rows > 0, reason=None)
+    A call of no rows runs the reference, uncounted, in every mode; so does a hidden size of 0: its
+    logits are the bias alone (or 0), which the reference forms exactly, with its gradients."""
+    if rows == 0 or hidden_size == 0 or mode == "off":
+        return Route(fused=False, audit=False, counted=rows > 0 and hidden_size != 0, reason=None)
     if reason is not None:
         if mode == "strict":
             raise RuntimeError(f"{caller}(mode='strict'): the fused kernels cannot run this call: {reason}")

@@ -91,6 +91,11 @@ def dlogp_stats(train_logp, rollout_logp, mask=None, *, sample_ids=None, positio
     keep = np.ones(train.shape, bool) if mask is None else np.asarray(mask).astype(bool)
     if keep.shape != train.shape:
         raise ValueError(f"mask {keep.shape} must be shaped like train_logp {train.shape}")
+    if sample_ids is not None and np.size(sample_ids) != train.shape[0]:
+        raise ValueError(f"sample_ids must hold one id per {'sample' if train.ndim == 2 else 'token'}, "
+                         f"{train.shape[0]}, got {np.size(sample_ids)}")
+    if positions is not None and np.shape(positions) != train.shape:
+        raise ValueError(f"positions {np.shape(positions)} must be shaped like train_logp {train.shape}")
     idx = np.flatnonzero(keep)
     t, r = train.reshape(-1)[idx], roll.reshape(-1)[idx]
     mismatches = int(np.count_nonzero(t.view(np.uint32) != r.view(np.uint32)))

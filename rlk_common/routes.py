@@ -18,6 +18,13 @@ import numpy as np
 COUNT_NAMES = ("fwd_calls", "fwd_tokens", "bwd_calls", "bwd_tokens", "bwd_fast_calls")
 
 
+def audit_in_compile(caller: str) -> str:
+    """The RuntimeError's message for mode="audit" inside torch.compile: the audit compares on the
+    host, which a compiled graph cannot."""
+    return (f"{caller}(mode='audit') compares with the reference on the host and cannot run inside "
+            f"torch.compile: pass mode='auto' (or 'strict') in compiled code and audit in an eager call")
+
+
 def backend_counts(core) -> dict:
     """The compiled module's route counters, {backend: {count name: value}}."""
     return {name: dict(zip(COUNT_NAMES, counts)) for name, counts in core.route_counts().items()}

@@ -12,6 +12,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 import rlk_common as common
@@ -19,6 +20,10 @@ import rlk_common as common
 from ._core import PLATFORMS, core
 
 F32 = jnp.float32
+# The largest temperature whose inverse stays a normal fp32 (flush-to-zero keeps it > 0): shard_map's
+# padding columns (a -inf bias, rlk_xla.linear_logp.PAD_LOGIT) are exact up to it. Above it a
+# temperature array's rows are NaN there; a number is refused (parse).
+MAX_PADDED_TEMPERATURE = 2.0 ** 126
 SUPPORTED_DTYPES = tuple(jnp.dtype(name) for name in common.KERNEL_DTYPES)
 
 
@@ -78,7 +83,8 @@ def parse(hidden, weight, targets, *, bias, temperature, ignore_index, vocab_sta
             raise TypeError(f"temperature must be a float or a floating array, got {temperature.dtype}")
         if tshape not in ((), ts):
             raise ValueError(f"temperature array must be shaped like targets {ts}, got {tshape}")
-        temp, temp_is_array = jnp.broadcast_to(temperature.astype(F32), ts).reshape(n), True
+        temp = common.valid_temperatures(jnp.broadcast_to(temperature.astype(F32), ts).reshape(n), jnp)
+        temp_is_array = True
 
     v_local = ws[0]
     if axis_name is None:
@@ -91,6 +97,11 @@ def parse(hidden, weight, targets, *, bias, temperature, ignore_index, vocab_sta
         vocab_start, wrong_start = _shard_vocab_start(vocab_start, axis_name, v_local, tp)
     v_global = v_local * tp
     real = common.real_vocab(real_vocab_size, v_global)
+    if axis_name is not None and real < v_global and scalar is not None and scalar > MAX_PADDED_TEMPERATURE:
+        raise ValueError(f"temperature={scalar} under axis_name with padded vocab shards (real_vocab_size {real} < "
+                         f"{v_global}): the padding's -inf logits need 1 / T > 0, which fp32 with flush-to-zero "
+                         f"keeps only up to temperature 2**126 = {MAX_PADDED_TEMPERATURE:.4g}; pass a smaller "
+                         f"temperature (or no padding)")
     ids = int32_targets(targets.reshape(n), rule)
     if wrong_start is not None:
         ids = jnp.where(wrong_start, rule.invalid, ids)
@@ -122,18 +133,20 @@ def _shard_vocab_start(vocab_start, axis_name, v_local: int, tp: int):
 
 
 def int32_targets(t, rule: common.IdRule):
-    """int32 ids for the kernels by rlk_common.IdRule: checked in t's own dtype, with jnp ops (no
-    host sync, traceable), before the cast."""
+    """int32 ids for the kernels by rlk_common.IdRule: checked in t's own dtype, before the cast,
+    with jnp ops (no host sync, traceable), or with numpy ops for a numpy array (numpy's default
+    int64, which jnp cannot hold without jax_enable_x64: exact, and no dtype warning)."""
+    xp = np if isinstance(t, np.ndarray) else jnp
     if not rule.remap:
-        return t.astype(jnp.int32)
-    ignored = (t == jnp.asarray(rule.ignore_index, t.dtype)) if rule.match_ignore else False
-    bad = jnp.zeros(t.shape, bool)
+        return jnp.asarray(t.astype(np.int32))
+    ignored = (t == xp.asarray(rule.ignore_index, t.dtype)) if rule.match_ignore else False
+    bad = xp.zeros(t.shape, bool)
     if rule.check_low:
         bad = bad | (t < 0)
     if rule.check_high:
-        bad = bad | (t > jnp.asarray(common.INT32_MAX, t.dtype))
-    ids = jnp.where(bad, rule.invalid, jnp.where(bad, 0, t).astype(jnp.int32))
-    return jnp.where(ignored, rule.ignore, ids)
+        bad = bad | (t > xp.asarray(common.INT32_MAX, t.dtype))
+    ids = xp.where(bad, rule.invalid, xp.where(bad, 0, t).astype(np.int32))
+    return jnp.asarray(xp.where(ignored, rule.ignore, ids).astype(np.int32))
 
 
 def validate_targets(targets, vocab_size: int, ignore_index: int = -100) -> None:

@@ -22,10 +22,11 @@ from ._compat import psum_to, pvary
 from ._core import PLATFORMS, registered_platforms
 
 F32 = jnp.float32
-# Padding columns of a vocab shard get this added (fp32) logit under shard_map: exp() of it is
-# exactly 0 for any temperature below 1e8, and, unlike -inf, it keeps 0 * z finite in the
-# statistics and the gradient.
-PAD_LOGIT = -1e30
+# Padding columns of a vocab shard get this added (fp32) logit under shard_map: z = -inf for every
+# finite temperature > 0 (1 / T > 0 in fp32 for all of them), so exp() of it is exactly 0 at any
+# scale; the kernels take a -inf logit as probability 0 (a logit masked by the bias), 0 * z
+# included.
+PAD_LOGIT = float("-inf")
 
 
 def linear_logp(hidden, weight, targets, *, bias=None, temperature=1.0, ignore_index=-100, vocab_start=None,
@@ -37,12 +38,15 @@ def linear_logp(hidden, weight, targets, *, bias=None, temperature=1.0, ignore_i
     targets [...] integer ids of the global vocab. Returns fp32 logp shaped like targets, or
     (logp, entropy) with return_entropy=True; differentiable in hidden, weight, bias and a
     temperature array (docs/design.md §1 has the math).
-    temperature: a float > 0 or an fp32 array shaped like targets (per token, differentiable).
+    temperature: a float > 0 or an fp32 array shaped like targets (per token, differentiable); its
+    entries that are not finite and > 0 give NaN rows (rlk_common.valid_temperatures). A hidden
+    size of 0 gives the bias's logp (0 without a bias), exactly, through the reference.
     ignore_index rows give 0 and no gradient. Ids outside [0, real_vocab_size) are not checked
     (that would need a host sync inside jit): their rows give NaN logp and entropy and no
     gradient; rlk_xla.validate_targets raises ValueError for them, eagerly.
     Inside shard_map pass axis_name: weight (and bias) are this device's vocab shard, vocab_start
-    defaults to axis_index * V, real_vocab_size to the padded global vocab.
+    defaults to axis_index * V, real_vocab_size to the padded global vocab; padding columns are exact
+    for temperatures up to 2**126 (a larger number raises ValueError, an array's rows are NaN).
     mode: one of MODES, default env RLK_MODE, else "auto"; what each runs, raises and counts (in
     route_stats()) is rlk_common.route_call's docstring.
     backward: the gradient's strategy, "auto" (default), "fast" or "lean", with
@@ -54,7 +58,7 @@ def linear_logp(hidden, weight, targets, *, bias=None, temperature=1.0, ignore_i
               vocab_start=vocab_start, real_vocab_size=real_vocab_size, axis_name=axis_name)
     n = a.hidden.shape[0]
     strategy = resolve_backward(backward, a, backward_memory_budget)
-    route = common.route_call(mode, n, _unsupported(a), "rlk_xla.linear_logp")
+    route = common.route_call(mode, n, _unsupported(a), "rlk_xla.linear_logp", a.hidden.shape[1])
     if route.fused:
         logp, ent = fused_rows(a, return_entropy, save_logits=strategy == "fast")
         if route.audit:
@@ -159,7 +163,8 @@ def _fused_fwd(st: _Static, hidden, weight, bias, temperature, targets, ktargets
         # combine folds in chunk order, so TP = 1, 2, 4, 8 give the same bits.
         n, k_local, w = stats.shape
         full = jnp.zeros((n, k_local * st.tp, w), F32)
-        full = lax.dynamic_update_slice(full, stats, (0, chunk_offset, 0))
+        zero = jnp.zeros((), jnp.int32)  # int32 indices: one dtype for all three under jax_enable_x64 too
+        full = lax.dynamic_update_slice(full, stats, (zero, jnp.asarray(chunk_offset, jnp.int32), zero))
         stats = lax.psum(full, st.axis_name)
         target_logit = lax.psum(target_logit, st.axis_name)
     logp, ent, m, log_s = _ops.combine(stats, target_logit, targets, real_vocab=st.real_vocab,

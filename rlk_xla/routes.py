@@ -31,9 +31,14 @@ def record_audit(ours, ref) -> None:
 
 
 def route_stats() -> dict:
-    """Counters since the last reset (rlk_common.routes.RouteLog.stats)."""
+    """Counters since the last reset (rlk_common.routes.RouteLog.stats). Process-wide: the fused
+    kernels' counters ("backends", and the calls and tokens summed from them) are the compiled
+    module's, one set per process, which torch_bridge.route_stats() reports too; the reference,
+    fallbacks, backend_id and audit are this frontend's own."""
     return _log.stats(core)
 
 
 def reset_route_stats() -> None:
+    """Zero this frontend's log and the compiled module's counters: process-wide, so
+    torch_bridge.route_stats()'s kernel counters restart too."""
     _log.reset(core)

@@ -61,6 +61,13 @@ def test_shapes_are_checked():
         dlogp_stats(np.zeros(3), np.zeros(3), np.ones(4))
     with pytest.raises(ValueError, match=r"\[samples, positions\] or \[tokens\]"):
         dlogp_stats(np.zeros((2, 2, 2)), np.zeros((2, 2, 2)))
+    # issue 44: sample_ids and positions were not checked (a short one failed deep inside, or not at all)
+    with pytest.raises(ValueError, match="sample_ids must hold one id per sample, 2, got 3"):
+        dlogp_stats(np.zeros((2, 4)), np.ones((2, 4)), sample_ids=[5, 6, 7])
+    with pytest.raises(ValueError, match="sample_ids must hold one id per token, 4, got 1"):
+        dlogp_stats(np.zeros(4), np.ones(4), sample_ids=[5])
+    with pytest.raises(ValueError, match=r"positions \(2, 3\) must be shaped like train_logp \(2, 4\)"):
+        dlogp_stats(np.zeros((2, 4)), np.ones((2, 4)), positions=np.zeros((2, 3), int))
 
 
 def test_torch_and_jax_twins_give_the_same_numbers():

@@ -181,3 +181,76 @@ def test_grad_still_works_and_mode_off_differentiates_twice():
     np.testing.assert_allclose(np.asarray(g), np.asarray(g_ref), rtol=1e-4, atol=1e-6)
     gg = jax.grad(lambda x: jax.grad(lambda y: rlk_xla.linear_logp(y, w, t, mode="off").sum())(x).sum())(h)
     assert np.isfinite(np.asarray(gg)).all()
+
+
+# ---- issue 44 ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("mode", ["auto", "off"])
+def test_invalid_temperature_entries_give_nan_rows(mode):
+    """Negative, +inf and NaN entries of a temperature array give NaN rows, as 0 does (were
+    softmax(-z / |T|) and -log V), under jit too (no host sync); valid rows keep their values."""
+    h, w = inputs()
+    t = jnp.arange(N, dtype=jnp.int32)
+    T = jnp.asarray([1.0, -1.0, np.inf, np.nan, 0.0, 0.7], jnp.float32)
+    lp = np.asarray(jax.jit(lambda T: rlk_xla.linear_logp(h, w, t, temperature=T, mode=mode))(T))
+    assert np.isnan(lp[1:5]).all() and np.isfinite(lp[[0, 5]]).all()
+    good = np.asarray(rlk_xla.linear_logp(h, w, t, temperature=jnp.asarray([1.0, 1, 1, 1, 1, 0.7]), mode=mode))
+    np.testing.assert_array_equal(lp[[0, 5]], good[[0, 5]])
+    gT = jax.grad(lambda T: rlk_xla.linear_logp(h, w, t, temperature=T, mode=mode)[jnp.asarray([0, 5])].sum())(T)
+    assert np.isfinite(np.asarray(gT)[[0, 5]]).all() and (np.asarray(gT)[1:5] == 0).all()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_hidden_size_zero_is_the_bias_alone(dtype):
+    """H = 0: logits are the bias (scored stale scratch memory before: -581 for -6.56); exact, with
+    the bias's and the temperature's gradients."""
+    rng = np.random.default_rng(3)
+    b = jnp.asarray(rng.standard_normal(V) * 3, dtype)
+    T = jnp.full((N,), 0.8, jnp.float32)
+    t = jnp.asarray(rng.integers(0, V, N), jnp.int32)
+    h, w = jnp.zeros((N, 0), dtype), jnp.zeros((V, 0), dtype)
+    f = lambda b, T: rlk_xla.linear_logp(h, w, t, bias=b, temperature=T)  # noqa: E731
+    b64 = np.asarray(b, np.float64)
+    z = np.tile(b64 / 0.8, (N, 1))
+    ref = (z - (z.max(1, keepdims=True) + np.log(np.exp(z - z.max(1, keepdims=True)).sum(1, keepdims=True))))
+    np.testing.assert_allclose(np.asarray(f(b, T)), ref[np.arange(N), np.asarray(t)], rtol=0, atol=4e-6)
+    gb, gT = jax.grad(lambda b, T: f(b, T).sum(), argnums=(0, 1))(b, T)
+    p = np.exp(ref)
+    onehot = np.eye(V)[np.asarray(t)]
+    np.testing.assert_allclose(np.asarray(gb, np.float64), (onehot - p).sum(0) / 0.8,
+                               rtol=2e-2 if dtype != "float32" else 1e-5, atol=1e-5)
+    want_T = -((onehot - p) * z).sum(1) / 0.8
+    np.testing.assert_allclose(np.asarray(gT), want_T, rtol=1e-4, atol=1e-5)
+
+
+def test_numpy_int64_targets_raise_no_warning():
+    """numpy's default int64 ids (without jax_enable_x64): no UserWarning from our own code (there
+    were two, from jnp.asarray(..., int64) in _args), and ids beyond int32 stay NaN rows, exactly."""
+    import warnings
+    h, w = inputs()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        lp = np.asarray(rlk_xla.linear_logp(h, w, np.array([3, 2 ** 32 + 5, -100, -2 ** 32 - 100, 0, 39])))
+    ref = np.asarray(rlk_xla.linear_logp(h, w, jnp.asarray([3, 0, -100, 0, 0, 39], jnp.int32)))
+    assert np.isnan(lp[[1, 3]]).all() and lp[2] == 0.0
+    np.testing.assert_array_equal(lp[[0, 4, 5]], ref[[0, 4, 5]])
+
+
+def test_axis_name_under_x64():
+    """jax_enable_x64: an axis_name call works (failed inside dynamic_update_slice on mixed index
+    dtypes), values and gradients equal the unsharded call's."""
+    devs = jax.devices("cpu")[:2]
+    if len(devs) < 2:
+        pytest.skip("needs 2 CPU devices (tests/conftest.py)")
+    with jax.enable_x64(True):
+        h, w = inputs()
+        t = jnp.asarray([3, 5, 7, 39, 0, 11], jnp.int32)
+        f = shard_map(lambda h, w, t: rlk_xla.linear_logp(h, w, t, axis_name="tp", real_vocab_size=38),
+                      mesh=Mesh(np.array(devs), ("tp",)), in_specs=(P(), P("tp"), P()), out_specs=P())
+        lp = np.asarray(jax.jit(f)(h, w, t))
+        ref = np.asarray(rlk_xla.linear_logp(h, w, t, real_vocab_size=38))
+        np.testing.assert_array_equal(lp[np.isfinite(ref)], ref[np.isfinite(ref)])
+        assert np.isnan(lp[3]) and np.isnan(ref[3])  # id 39 is past real_vocab_size
+        gh = jax.grad(lambda h: jnp.nansum(f(h, w, t)))(h)
+        gh_ref = jax.grad(lambda h: jnp.nansum(rlk_xla.linear_logp(h, w, t, real_vocab_size=38)))(h)
+        np.testing.assert_allclose(np.asarray(gh), np.asarray(gh_ref), rtol=1e-5, atol=1e-6)

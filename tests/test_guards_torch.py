@@ -206,3 +206,55 @@ def test_activation_checkpointing_gives_the_same_bits(backward):
     for name in runs:
         for a, b in zip(out["plain"], out[name]):
             torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+# ---- issue 44 ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("mode", ["auto", "off"])
+def test_invalid_temperature_entries_give_nan_rows(mode):
+    """Negative, +inf and NaN entries of a temperature array give NaN rows, as 0 does (were
+    softmax(-z / |T|) and -log V); the valid rows keep their values and gradients."""
+    h, w = inputs()
+    t = torch.arange(N)
+    bad = torch.tensor([1.0, -1.0, float("inf"), float("nan"), 0.0, 0.7])
+    T = bad.clone().requires_grad_()
+    lp = tb.linear_logp(h, w, t, temperature=T, mode=mode)
+    assert torch.isnan(lp[1:5]).all() and torch.isfinite(lp[[0, 5]]).all()
+    good = tb.linear_logp(h, w, t, temperature=torch.tensor([1.0, 1, 1, 1, 1, 0.7]), mode=mode)
+    assert torch.equal(lp[[0, 5]], good[[0, 5]])
+    lp[[0, 5]].sum().backward()
+    assert torch.isfinite(T.grad[[0, 5]]).all() and (T.grad[1:5] == 0).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("mode", ["auto", "strict"])
+def test_hidden_size_zero_is_the_bias_alone(dtype, mode):
+    """H = 0: logits are the bias (scored stale scratch memory before: -475 for -9.8); exact, with
+    the bias's and the temperature's gradients."""
+    g = torch.Generator().manual_seed(3)
+    b = (torch.randn(V, generator=g) * 3).to(dtype).requires_grad_()
+    T = torch.full((N,), 0.8, requires_grad=True)
+    t = torch.randint(0, V, (N,), generator=g)
+    h, w = torch.zeros(N, 0, dtype=dtype, requires_grad=True), torch.zeros(V, 0, dtype=dtype, requires_grad=True)
+    lp = tb.linear_logp(h, w, t, bias=b, temperature=T, mode=mode)
+    b64, T64 = b.detach().double().requires_grad_(), T.detach().double().requires_grad_()
+    ref = torch.log_softmax(b64[None, :] / T64[:, None], dim=1)[torch.arange(N), t]
+    torch.testing.assert_close(lp.double(), ref, rtol=0, atol=4e-6)
+    lp.sum().backward()
+    ref.sum().backward()
+    torch.testing.assert_close(b.grad.double(), b64.grad, rtol=2e-2 if dtype != torch.float32 else 1e-5, atol=1e-5)
+    torch.testing.assert_close(T.grad.double(), T64.grad, rtol=1e-5, atol=1e-5)
+    assert h.grad.shape == (N, 0) and w.grad.shape == (V, 0)
+
+
+@pytest.mark.parametrize("fullgraph", [False, True])
+def test_audit_under_torch_compile_raises_the_documented_runtime_error(fullgraph):
+    """Was a TypeError from rlk_common/routes.py (dynamo reran the frame eagerly after the raise and
+    traced the audit's numpy), or dynamo's "Observed exception" with fullgraph=True."""
+    h, w = inputs()
+    t = torch.arange(N)
+    f = torch.compile(lambda h: tb.linear_logp(h, w, t, mode="audit"), fullgraph=fullgraph)
+    with pytest.raises(RuntimeError, match=r"mode='audit'\) compares with the reference on the host and cannot run "
+                                           r"inside torch.compile: pass mode='auto'") as e:
+        f(h)
+    assert type(e.value) is RuntimeError

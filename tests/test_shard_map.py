@@ -113,3 +113,23 @@ def test_collectives_move_per_row_statistics_only():
     big = [c for c in bwd_c if c[1] > stats_bound]
     assert all(op == "all-reduce" and el == n * h for op, el in big), bwd_c
     assert all(el < n * (V // tp) for _, el in bwd_c)
+
+
+@pytest.mark.parametrize("temp", [1e8, 1e30, 2.0 ** 126])
+def test_padding_is_exact_at_any_finite_temperature(temp):
+    """Padding columns of a shard come in as a -inf bias (z = -inf while 1 / T is a normal fp32, T <=
+    2^126): at T = 1e30 the -1e30 bias it was moved logp by 9e-3; now the sharded call equals the
+    unsharded one's bits. Above 2^126 (1 / T flushed to 0) a number is refused and an array's rows are
+    NaN."""
+    d, kw, _, _ = inputs(dtype="float32")
+    t = d["targets"]
+    f = lambda tp, temp: rlk_xla.vocab_parallel_linear_logp(d["hidden"], d["weight"], t, mesh=mesh(tp),  # noqa: E731
+                                                            vocab_axis="tp", real_vocab_size=V - 37, temperature=temp)
+    one = np.asarray(rlk_xla.linear_logp(d["hidden"], d["weight"], t, real_vocab_size=V - 37, temperature=temp))
+    for tp in (2, 8):
+        np.testing.assert_array_equal(np.asarray(f(tp, temp)), one)
+    with pytest.raises(ValueError, match=r"temperature=3e\+38 under axis_name with padded vocab shards .* up to "
+                                         r"temperature 2\*\*126"):
+        f(2, 3e38)
+    big = np.asarray(f(2, jnp.full(t.shape, 3e38, jnp.float32)))
+    assert np.isnan(big[one != 0]).all() and (big[one == 0] == 0).all()  # ignored rows stay 0

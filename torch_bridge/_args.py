@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
+import zlib
 from typing import Any
 
 import torch
@@ -15,6 +16,7 @@ import torch
 import rlk_common as common
 from rlk_common import BACKWARDS, DEFAULT_BACKWARD_MEMORY_BUDGET  # noqa: F401  (torch_bridge's API)
 
+from . import _dist
 from ._core import PLATFORMS, core
 
 F32 = torch.float32
@@ -143,6 +145,26 @@ def check_keep_mask(keep_mask, ts: tuple, v_local: int, hidden) -> None:
 
 def parse(hidden, weight, targets, *, bias, temperature, ignore_index, vocab_start, real_vocab_size,
           tp_group, keep_mask=None) -> Args:
+    """The checked, normalised arguments of one call. With tp_group, the ranks first agree on the
+    call's shapes (_dist.agree_across_ranks, eager calls): a rank whose arguments are refused here
+    makes every rank refuse, before any collective."""
+    group = _dist.check_group(tp_group)
+    agree = group is not None and not torch.compiler.is_compiling()
+    try:
+        a = _parse(hidden, weight, targets, bias=bias, temperature=temperature, ignore_index=ignore_index,
+                   vocab_start=vocab_start, real_vocab_size=real_vocab_size, tp_group=group, keep_mask=keep_mask)
+    except (TypeError, ValueError):
+        if agree:
+            _dist.agree_across_ranks(group, None)
+        raise
+    if agree:
+        _dist.agree_across_ranks(group, (a.n, a.hidden.shape[1], a.weight.shape[0],
+                                         zlib.crc32(dtype_name(a.hidden.dtype).encode()), int(a.keep is not None)))
+    return a
+
+
+def _parse(hidden, weight, targets, *, bias, temperature, ignore_index, vocab_start, real_vocab_size,
+           tp_group, keep_mask=None) -> Args:
     ts = check_tensors(hidden, weight, targets, bias)
     hs = tuple(hidden.shape)
     ignore_index = common.check_ignore_index(ignore_index)
@@ -153,7 +175,7 @@ def parse(hidden, weight, targets, *, bias, temperature, ignore_index, vocab_sta
     if scalar is not None:
         temp, temp_is_array = torch.full((n,), scalar, dtype=F32, device=hidden.device), False
     else:
-        temp, temp_is_array = temperature.to(F32).expand(ts).reshape(n), True
+        temp, temp_is_array = common.valid_temperatures(temperature.to(F32).expand(ts).reshape(n), torch), True
 
     v_local = weight.shape[0]
     if keep_mask is not None:

@@ -34,13 +34,17 @@ def linear_logp(hidden, weight, targets, *, bias=None, temperature=1.0, ignore_i
     targets [...] integer ids of the global vocab. Returns fp32 logp shaped like targets, or
     (logp, entropy) with return_entropy=True; differentiable in hidden, weight, bias and a
     temperature tensor.
-    temperature: a float > 0 or a floating tensor shaped like targets (per token).
+    temperature: a float > 0 or a floating tensor shaped like targets (per token); its entries that
+    are not finite and > 0 give NaN rows (rlk_common.valid_temperatures; no host sync).
+    A hidden size of 0 gives the bias's logp (0 without a bias), exactly, through the reference.
     ignore_index rows give 0 and no gradient; ids outside [0, real_vocab_size) raise ValueError
     when validate_targets (the default; one host sync; skipped inside torch.compile and CUDA-graph
     capture), else give NaN logp and entropy and no gradient (as rlk_xla.linear_logp always does).
     tp_group: a torch.distributed group over which the vocab is sharded: weight (and bias) are
     this rank's shard of V_local rows, vocab_start defaults to rank * V_local, real_vocab_size to
-    the padded global vocab V_local * world_size. dH is all-reduced over the group unless
+    the padded global vocab V_local * world_size; before any collective the ranks agree on rows,
+    hidden size, shard width (equal shards), dtype and keep_mask (one all_gather, eager calls):
+    otherwise every rank raises ValueError. dH is all-reduced over the group unless
     reduce_grad_hidden=False (for callers whose column-parallel region already reduces it).
     mode: one of MODES, default env RLK_MODE, else "auto"; what each runs, raises and counts (in
     route_stats()) is rlk_common.route_call's docstring. "audit" runs in eager calls only (it
@@ -63,13 +67,11 @@ def linear_logp(hidden, weight, targets, *, bias=None, temperature=1.0, ignore_i
     save_logits = resolve_backward(backward, a.n, a.weight.shape[0], a.chunk, a.hidden.dtype, a.hidden.device,
                                    backward_memory_budget) == "fast" and _needs_grad(a)
     eager = not torch.compiler.is_compiling()
-    if mode == "audit" and not eager:
-        raise RuntimeError("torch_bridge.linear_logp(mode='audit') compares with the reference on the host and "
-                           "cannot run inside torch.compile: pass mode='auto' (or 'strict') in compiled code and "
-                           "audit in an eager call")
+    if mode == "audit" and not eager:  # the RuntimeError when the compiled code runs (routes.refuse_audit)
+        a.targets, mode = routes.refuse_audit(a.targets, "torch_bridge.linear_logp"), "auto"
     if validate_targets and eager and not _capturing(a.hidden):
         _validate_targets(targets, a.real_vocab, ignore_index)
-    route = common.route_call(mode, a.n, unsupported(a.hidden), "torch_bridge.linear_logp")
+    route = common.route_call(mode, a.n, unsupported(a.hidden), "torch_bridge.linear_logp", a.hidden.shape[1])
     if route.fused:
         logp, ent = fused_rows(a, return_entropy, reduce_grad_hidden, save_logits)
         if eager:

@@ -41,6 +41,25 @@ def count_reference(targets: torch.Tensor, reason: str | None) -> torch.Tensor:
     return _count_reference(targets, reason or "")
 
 
+@torch.library.custom_op("rlk::refuse_audit", mutates_args=())
+def _refuse_audit(targets: torch.Tensor, caller: str) -> torch.Tensor:
+    """mode="audit" inside torch.compile: the RuntimeError, raised when the compiled code runs. (A
+    raise while dynamo traces reaches the caller as dynamo's "Observed exception" under
+    fullgraph=True, and otherwise makes dynamo rerun the frame eagerly, where nothing refuses.)"""
+    raise RuntimeError(_common.audit_in_compile(caller))
+
+
+@_refuse_audit.register_fake
+def _(targets, caller):
+    return torch.empty_like(targets)
+
+
+def refuse_audit(targets: torch.Tensor, caller: str) -> torch.Tensor:
+    """The targets through an op that raises audit's RuntimeError when the compiled code runs
+    (before any kernel that reads them)."""
+    return _refuse_audit(targets, caller)
+
+
 def note_backend(backend_id: str) -> None:
     _log.note_backend(backend_id)
 
@@ -64,9 +83,14 @@ def backend_counts() -> dict:
 
 
 def route_stats() -> dict:
-    """Counters since the last reset (rlk_common.routes.RouteLog.stats)."""
+    """Counters since the last reset (rlk_common.routes.RouteLog.stats). Process-wide: the fused
+    kernels' counters ("backends", and the calls and tokens summed from them) are the compiled
+    module's, one set per process, which rlk_xla.route_stats() reports too; the reference,
+    fallbacks, backend_id and audit are this frontend's own."""
     return _log.stats(core)
 
 
 def reset_route_stats() -> None:
+    """Zero this frontend's log and the compiled module's counters: process-wide, so
+    rlk_xla.route_stats()'s kernel counters restart too."""
     _log.reset(core)
