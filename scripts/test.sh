@@ -6,5 +6,5 @@ bash scripts/setup.sh
 # shellcheck disable=SC1091
 . .venv/bin/activate
 # The integrations are tested against the real packages (scripts/setup.sh installs only what rlk_xla needs).
-pip install -q "transformers==5.24.0" "flax==0.12.8" "megatron-core==0.16.1"
+pip install -q "transformers==5.24.0" "flax==0.12.8" "megatron-core==0.16.1" "trl==1.16.0"
 python -m pytest -q tests "$@"
