@@ -99,9 +99,9 @@ def add_fused_lm_head(model, temperature: float = 1.0, cast_lm_head_to_fp32: boo
         loss = -log_probs.sum() / (mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch)
         aux_loss = None
         if kwargs.get("output_router_logits"):
-            from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
-            aux_loss = load_balancing_loss_func(out.router_logits, cfg.num_experts, cfg.num_experts_per_tok,
-                                                kwargs.get("attention_mask"))
+            from transformers.models.mixtral import modeling_mixtral
+            aux_loss = modeling_mixtral.load_balancing_loss_func(out.router_logits, cfg.num_experts,
+                                                                 cfg.num_experts_per_tok, kwargs.get("attention_mask"))
             loss = loss + getattr(cfg, "router_aux_loss_coef", 0.0) * aux_loss
         return FusedCausalLMOutput(loss=loss, log_probs=log_probs, entropy=ent, label_mask=mask, aux_loss=aux_loss)
 
