@@ -21,10 +21,12 @@ import rlk_common as common
 from . import _ops  # also registers torch.ops.rlk.*
 from . import reference, routes
 from ._args import Args, parse, resolve_backward, unsupported, validate_targets as _validate_targets
+from ._autocast import autocast_rule
 
 F32 = torch.float32
 
 
+@autocast_rule
 def linear_logp(hidden, weight, targets, *, bias=None, temperature=1.0, ignore_index=-100, return_entropy=False,
                 vocab_start=None, real_vocab_size=None, tp_group=None, mode=None, reduce_grad_hidden=True,
                 validate_targets=True, backward="auto", backward_memory_budget=None, keep_mask=None):
@@ -55,6 +57,8 @@ def linear_logp(hidden, weight, targets, *, bias=None, temperature=1.0, ignore_i
     that keeps nothing), the entropy stays that of the whole distribution; gradients of both. The
     kernels take it in the fused pass (no [n, V] float buffer; on CUDA the portable forward kernel,
     not the sm90 one, and lean's cuBLAS path).
+    Under torch.autocast, hidden, weight and bias are cast to the autocast dtype as F.linear casts
+    them (_autocast.py); outside it, mixed dtypes raise.
     """
     mode = routes.resolve_mode(mode)
     return_entropy = common.check_flag("return_entropy", return_entropy)
