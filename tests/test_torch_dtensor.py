@@ -14,7 +14,6 @@ import re
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-
 from subprocs import free_port
 
 import torch_bridge
@@ -56,8 +55,8 @@ def _worker(rank, world, port, out_dir):
         sl = slice(rank * v_local, (rank + 1) * v_local)
         leaves = [x.clone().requires_grad_() for x in (hidden, weight[sl], bias[sl])]
         logp, ent = _call(*leaves[:2], leaves[2], targets, g, e, tp_group=dist.group.WORLD)
-        res = {"plain": dict(logp=logp.detach(), ent=ent.detach(), dh=leaves[0].grad, dw=leaves[1].grad,
-                             db=leaves[2].grad)}
+        res = {"plain": {"logp": logp.detach(), "ent": ent.detach(), "dh": leaves[0].grad, "dw": leaves[1].grad,
+                         "db": leaves[2].grad}}
         meshes = {"1d": (init_device_mesh("cpu", (world,)), (Shard(0),)),
                   "dp_tp": (init_device_mesh("cpu", (1, world), mesh_dim_names=("dp", "tp")), (Replicate(), Shard(0)))}
         for name, (mesh, placements) in meshes.items():
@@ -69,10 +68,11 @@ def _worker(rank, world, port, out_dir):
                     h = distribute_tensor(h, mesh, [Replicate()] * mesh.ndim)
                 h.requires_grad_()
                 logp, ent = _call(h, w, b, targets, g, e)
-                res[f"{name}/{hidden_kind}"] = dict(
-                    logp=_local(logp).detach(), ent=_local(ent).detach(), dh=_local(h.grad), dw=w.grad.to_local(),
-                    db=b.grad.to_local(), dw_placements=tuple(w.grad.placements), w_placements=placements,
-                    out_dtensor=hasattr(logp, "to_local"), dh_dtensor=hasattr(h.grad, "to_local"))
+                res[f"{name}/{hidden_kind}"] = {
+                    "logp": _local(logp).detach(), "ent": _local(ent).detach(), "dh": _local(h.grad),
+                    "dw": w.grad.to_local(), "db": b.grad.to_local(), "dw_placements": tuple(w.grad.placements),
+                    "w_placements": placements, "out_dtensor": hasattr(logp, "to_local"),
+                    "dh_dtensor": hasattr(h.grad, "to_local")}
         errors = {}
         refused = {"fsdp": (init_device_mesh("cpu", (world,), mesh_dim_names=("dp",)), (Shard(0),), {}),
                    "two_dims": (init_device_mesh("cpu", (1, world), mesh_dim_names=("a", "b")), (Shard(0), Shard(0)),
