@@ -16,7 +16,7 @@ from jax import lax
 import rlk_common as common
 
 from . import _ops
-from . import reference, routes
+from . import gspmd, reference, routes
 from ._args import SUPPORTED_DTYPES, Args, parse, resolve_backward
 from ._compat import psum_to, pvary
 from ._core import has_platform, registered_platforms
@@ -47,9 +47,15 @@ def linear_logp(hidden, weight, targets, *, bias=None, temperature=1.0, ignore_i
     route_stats()) is rlk_common.route_call's docstring.
     backward: the gradient's strategy, "auto" (default), "fast" or "lean", with
     backward_memory_budget (bytes) the budget of auto: rlk_common.resolve_backward's docstring.
+    Under jax.jit with a mesh set (jax.set_mesh) and no shard_map, the op partitions itself over
+    its operands' shardings (rlk_xla.gspmd: the weight sharded over the vocab runs the shard_map
+    path's per-shard program, no all-gather of the weight).
     """
     mode = routes.resolve_mode(mode)
     return_entropy = common.check_flag("return_entropy", return_entropy)
+    if axis_name is None and vocab_start is None and gspmd.engaged():
+        return gspmd.linear_logp(hidden, weight, targets, bias=bias, temperature=temperature, ignore_index=ignore_index,
+                                 real_vocab_size=real_vocab_size, return_entropy=return_entropy, mode=mode)
     a = parse(hidden, weight, targets, bias=bias, temperature=temperature, ignore_index=ignore_index,
               vocab_start=vocab_start, real_vocab_size=real_vocab_size, axis_name=axis_name)
     n = a.hidden.shape[0]
