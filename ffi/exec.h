@@ -31,7 +31,8 @@ Status cpu_guarded(Call&& call) {
 
 // Counted after the kernel ran and succeeded: a call its checks reject is not counted.
 struct CpuExec {
-  size_t kept_bytes(const Problem& p) const { return cpu::kept_bytes(p); }
+  static size_t kept_bytes(const Problem& p) { return cpu::kept_bytes(p); }
+  void use_workspace(void*, size_t) {}  // the CPU backend allocates its own scratch
   Status forward(const Problem& p, const FwdArgs& a) {
     const Status s = cpu_guarded([&] { return cpu::forward(p, a); });
     if (!s) count_call(Backend::kCpu, false, p.n);
@@ -48,12 +49,13 @@ struct CpuExec {
 };
 
 #if RLK_HAVE_CUDA
-// Asynchronous on `stream`; scratch is the caller's (`ws`), checked against what the call needs.
+// Asynchronous on `stream`; scratch is the caller's (use_workspace), checked against what the call needs.
 struct CudaExec {
   cudaStream_t stream;
-  cuda::Workspace ws;
+  cuda::Workspace ws{};
 
-  size_t kept_bytes(const Problem& p) const { return cuda::kept_bytes(p); }
+  static size_t kept_bytes(const Problem& p) { return cuda::kept_bytes(p); }
+  void use_workspace(void* data, size_t bytes) { ws = {data, bytes}; }
 
   Status forward(const Problem& p, const FwdArgs& a) {
     Backend ran = Backend::kCudaPortable;

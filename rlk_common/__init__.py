@@ -231,6 +231,23 @@ def backward_memory_budget(budget) -> int:
     return int(budget)
 
 
+def platform(platforms: dict, key: str, value) -> dict | None:
+    """The platform of the compiled module's report (`platforms`: core.platforms(), read once at
+    import: each platform's names in the frontends, whether this build runs it and why not, its
+    kernels) whose `key` ("name", "xla_platform", "jax_backend", "jax_lowering") is `value`; None
+    for a platform the module does not know."""
+    return next((p for p in platforms.values() if p[key] == value), None)
+
+
+def platform_fallback(platforms: dict, key: str, value) -> str | None:
+    """Why the fused kernels cannot run on the platform whose `key` is `value` (the route log's
+    fallback reason), None where they can."""
+    p = platform(platforms, key, value)
+    if p is None:
+        return f"device {value} (supported: {', '.join(platforms)})"
+    return None if p["supported"] else f"device {p['name']} ({p['reason']})"
+
+
 def dtype_code(core, name: str):
     """The compiled module's code for the operand dtype named `name` as jax and torch name it
     ("float32", "float16", "bfloat16"): a member of core.DType, which binds rlk::DType, so the codes
@@ -242,8 +259,8 @@ def dtype_code(core, name: str):
 
 
 def kept_bytes(core, n: int, v_local: int, chunk: int, dtype: str, device: str) -> int:
-    """Bytes the fast backward keeps for one shard (n rows, v_local vocab rows of the dtype named
-    `dtype`), in the layout of the backend on `device` ("cpu" or "cuda"): the frontends allocate
+    """Bytes the fast backward saves for one shard (n rows, v_local vocab rows of the dtype named
+    `dtype`), in the layout of the backend on platform `device` (a name of core.platforms()): the frontends allocate
     this many uint8 and compare it with backward_memory_budget. Both backends' layouts are a record
     per row, so this is n times one row's bytes (n may be a symbolic size under torch.compile)."""
     return n * int(core.kept_bytes(1, v_local, chunk, dtype_code(core, dtype), device))

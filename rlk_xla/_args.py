@@ -16,7 +16,7 @@ from jax import lax
 
 import rlk_common as common
 
-from ._core import core
+from ._core import PLATFORMS, core
 
 F32 = jnp.float32
 SUPPORTED_DTYPES = tuple(jnp.dtype(name) for name in common.KERNEL_DTYPES)
@@ -154,7 +154,8 @@ def validate_targets(targets, vocab_size: int, ignore_index: int = -100) -> None
 def kept_bytes(n: int, v_local: int, chunk: int, dtype) -> int:
     """Bytes of the fast backward's kept buffer (uint8) in the layout of the default backend's
     kernels (the platform is not known at trace time; the kernels accept a larger buffer)."""
-    device = "cuda" if jax.default_backend() == "gpu" and core.has_cuda else "cpu"
+    platform = common.platform(PLATFORMS, "jax_backend", jax.default_backend())
+    device = platform["name"] if platform is not None and platform["supported"] else "cpu"
     return common.kept_bytes(core, n, v_local, chunk, jnp.dtype(dtype).name, device)
 
 

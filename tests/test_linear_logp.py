@@ -1,4 +1,6 @@
 """rlk_xla.linear_logp on the CPU against the float64 oracle; jit, vmap, grad; consistency; errors."""
+import re
+
 import pytest
 
 pytest.importorskip("jax", reason="jax is not installed: these tests need it")
@@ -223,7 +225,9 @@ def test_fast_backward_keeps_only_the_kept_buffer():
                    - kept_bytes(n, 4096, core.canonical_chunk(4096), jnp.bfloat16))
     assert abs(temps["fused", 32768] - temps["fused", 4096] - kept_growth) < 0.05 * growth_fp32_logits, temps
     _, _, fwd_texts = _programs(False, "fast")
-    assert all(f"[{n},{v}]" not in text and "u8[" not in text for v, text in fwd_texts.items())
+    # a forward-only call saves nothing: its uint8 buffers are the empty record and the 1-byte workspace
+    assert all(f"[{n},{v}]" not in text and set(re.findall(r"u8\[(\d+)\]", text)) <= {"0", "1"}
+               for v, text in fwd_texts.items())
 
 
 def _fast_backward_calls(fn):

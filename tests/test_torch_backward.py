@@ -129,7 +129,7 @@ def test_logits_are_kept_only_when_a_backward_can_run(monkeypatch):
     forward = _rlk_core.forward
 
     def spy(*args, **kwargs):
-        kept.append(args[7] is not None)  # core.forward's `logits`
+        kept.append(kwargs["saved_logits"] is not None)
         return forward(*args, **kwargs)
 
     monkeypatch.setattr(_ops.core, "forward", spy)
@@ -178,7 +178,9 @@ def test_kept_buffer_holds_the_scaled_logits(dtype):
     b, t = kw["bias"].float(), d["targets"].int()
     logits = torch.full((kept_bytes(45, 300, 75, h.dtype, CPU),), 255, dtype=torch.uint8)
     stats = torch.empty((45, 4, 3))
-    _rlk_core.forward(h, w, b, t, T.float(), stats, torch.empty(45), logits, None, 0, 290, 75, -100, True, 0)
+    _rlk_core.forward(hidden=h, weight=w, bias=b, targets=t, temperature=T.float(), stats=stats,
+                      target_logit=torch.empty(45), saved_logits=logits, vocab_start=0, real_vocab=290, chunk=75,
+                      ignore_index=-100, with_entropy=True)
     z = (h.double() @ w.double().T + b.double()) / T.double()[:, None]
     mag = (h.double().abs() @ w.double().abs().T + b.double().abs()) / T.double()[:, None]
     if dtype == "float32":
@@ -219,13 +221,13 @@ def test_cpu_fast_backward_only_reads_the_kept_buffer():
     assert all(x.shape == y.shape and x.dtype == y.dtype for x, y in zip(fast, lean))
 
 
-def test_backward_op_rejects_a_buffer_that_is_not_the_kept_one():
+def test_backward_op_rejects_a_buffer_that_is_not_the_saved_logits():
     d, kw, g, _ = make_inputs(5, 10, 16, 100, "bfloat16")
     h, w, t, T = d["hidden"], d["weight"], d["targets"].int(), torch.ones(10)
     m, log_s = torch.zeros(10), torch.zeros(10)
     nbytes = kept_bytes(10, 100, 100, torch.bfloat16, CPU)
     for bad in (torch.zeros((10, 100), dtype=F16), torch.zeros(nbytes - 1, dtype=torch.uint8), torch.zeros(3)):
-        with pytest.raises(ValueError, match="logits must be the forward's kept buffer"):
+        with pytest.raises(ValueError, match="saved_logits must be the forward.s saved logits"):
             torch.ops.rlk.linear_logp_backward(h, w, None, t, T, m, log_s, None, g, None, bad, 0, 100, 100, -100,
                                                True)
 

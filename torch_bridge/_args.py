@@ -15,7 +15,7 @@ import torch
 import rlk_common as common
 from rlk_common import BACKWARDS, DEFAULT_BACKWARD_MEMORY_BUDGET  # noqa: F401  (torch_bridge's API)
 
-from ._core import core
+from ._core import PLATFORMS, core
 
 F32 = torch.float32
 SUPPORTED_DTYPES = tuple(getattr(torch, name) for name in common.KERNEL_DTYPES)
@@ -222,18 +222,13 @@ def unsupported(hidden: torch.Tensor) -> str | None:
     """Why the fused kernels cannot take tensors like `hidden` (the fallback reason), or None."""
     if hidden.dtype not in SUPPORTED_DTYPES:
         return common.dtype_fallback(dtype_name(hidden.dtype))
-    dev = hidden.device.type
-    if dev == "cpu":
-        return None
-    if dev == "cuda":
-        return None if core.has_cuda else "device cuda (this build of _rlk_core has no CUDA backend)"
-    return f"device {dev} (supported: cpu, cuda)"
+    return common.platform_fallback(PLATFORMS, "name", hidden.device.type)
 
 
 def kept_bytes(n: int, v_local: int, chunk: int, dtype: torch.dtype, device: torch.device) -> int:
     """Bytes of the fast backward's kept buffer (uint8) for the kernels of `device`; 0 where the
     kernels do not run (unsupported dtype or device: nothing is kept)."""
-    if dtype not in SUPPORTED_DTYPES or device.type not in ("cpu", "cuda"):
+    if dtype not in SUPPORTED_DTYPES or common.platform_fallback(PLATFORMS, "name", device.type) is not None:
         return 0
     return n * _kept_row_bytes(int(v_local), int(chunk), dtype_name(dtype), device.type)
 
