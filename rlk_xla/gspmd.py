@@ -182,7 +182,7 @@ def _rows_f32_bias(opts, vocab):
                   vocab_start=None, real_vocab_size=opts.real_vocab, axis_name=vocab)
         a = dataclasses.replace(a, bias=bias32)
         with _per_shard():
-            return fused_rows(a, True, keep_logits=False)
+            return fused_rows(a, True)
     return call
 
 
