@@ -37,8 +37,8 @@ def _rss_mb():
 
 def run_trl(args, head):
     import torch
-    from trl.trainer.utils import add_fused_lm_head as trl_head
     from transformers import Qwen3Config, Qwen3ForCausalLM
+    from trl.trainer.utils import add_fused_lm_head as trl_head
 
     from torch_bridge.integrations import trl as ours
 
@@ -101,7 +101,7 @@ def run_tunix(args, head):
     algo = GRPOConfig(num_generations=2, beta=0.0)
     algo.temperature = 0.7
     loss_fn = function_registry.get_policy_loss_fn("grpo")
-    f = lambda s: loss_fn(nnx.merge(graphdef, s), ex, algo_config=algo, pad_id=0, eos_id=1)[0]  # noqa: E731
+    f = lambda s: loss_fn(nnx.merge(graphdef, s), ex, algo_config=algo, pad_id=0, eos_id=1)[0]
     handle = use_rlk() if head == "rlk" else None
     step = jax.jit(jax.grad(f))
     temp = step.lower(state).compile().memory_analysis().temp_size_in_bytes

@@ -30,7 +30,7 @@ PAD_LOGIT = -1e30
 
 def linear_logp(hidden, weight, targets, *, bias=None, temperature=1.0, ignore_index=-100, vocab_start=None,
                 real_vocab_size=None, return_entropy=False, mode=None, axis_name=None, backward="auto",
-                backward_memory_budget=None, keep_mask=None):
+                backward_memory_budget=None, keep_mask=None, keep_ids=None):
     """Selected-token log-probabilities (and optionally entropies) of `hidden @ weight.T (+ bias)`.
 
     hidden [..., H] (bf16, fp16 or fp32), weight [V, H] (same dtype), bias [V] (same dtype) or None,
@@ -54,18 +54,25 @@ def linear_logp(hidden, weight, targets, *, bias=None, temperature=1.0, ignore_i
     or None: torch_bridge.linear_logp's semantics and kernels (logp renormalized over each row's kept
     ids, -inf for a target outside them, NaN for a row that keeps nothing, the entropy the whole
     distribution's; gradients of both; TP invariant under shard_map).
+    keep_ids: the nucleus as kept ids, int [..., K] (targets' shape plus K), -1 padded, global vocab
+    ids, a repeated one counted once: the keep_mask they stand for (this shard's columns; the same kernels and bits as
+    torch_bridge's keep_ids); not with keep_mask.
     """
     mode = routes.resolve_mode(mode)
     return_entropy = common.check_flag("return_entropy", return_entropy)
     if axis_name is None and vocab_start is None and gspmd.engaged():
-        if keep_mask is not None:
-            raise ValueError("rlk_xla.linear_logp: keep_mask is not served under GSPMD partitioning yet: call it "
+        if keep_mask is not None or keep_ids is not None:
+            raise ValueError("rlk_xla.linear_logp: keep_mask and keep_ids are not served under GSPMD partitioning yet: call it "
                              "inside shard_map (axis_name=) or outside the mesh")
         return gspmd.linear_logp(hidden, weight, targets, bias=bias, temperature=temperature, ignore_index=ignore_index,
                                  real_vocab_size=real_vocab_size, return_entropy=return_entropy, mode=mode)
     a = parse(hidden, weight, targets, bias=bias, temperature=temperature, ignore_index=ignore_index,
               vocab_start=vocab_start, real_vocab_size=real_vocab_size, axis_name=axis_name)
     n = a.hidden.shape[0]
+    if keep_ids is not None:
+        if keep_mask is not None:
+            raise ValueError("rlk_xla.linear_logp: pass keep_ids or keep_mask, not both")
+        keep_mask = _mask_of(keep_ids, targets, a)
     keep = _keep(keep_mask, targets, a)
     strategy = resolve_backward(backward, a, backward_memory_budget)
     route = common.route_call(mode, n, _unsupported(a), "rlk_xla.linear_logp")
@@ -91,6 +98,22 @@ def _keep(keep_mask, targets, a: Args):
         raise ValueError(f"keep_mask must be bool shaped like targets plus this shard's vocab, {want}, got "
                          f"{tuple(keep_mask.shape)} {jnp.dtype(keep_mask.dtype)}")
     return keep_mask.reshape(a.hidden.shape[0], a.weight.shape[0]).astype(jnp.uint8)
+
+
+def _mask_of(keep_ids, targets, a: Args):
+    """bool [*targets.shape, V_local]: True at this shard's columns of each row's kept ids (-1: none)."""
+    ts = tuple(jnp.shape(targets))
+    if not jnp.issubdtype(jnp.result_type(keep_ids), jnp.integer):
+        raise TypeError(f"keep_ids must be integers, got {jnp.result_type(keep_ids)}")
+    if jnp.ndim(keep_ids) != len(ts) + 1 or tuple(jnp.shape(keep_ids)[:-1]) != ts:
+        raise ValueError(f"keep_ids must be targets' shape plus K, {(*ts, 'K')}, got {tuple(jnp.shape(keep_ids))}")
+    v_local = a.weight.shape[0]
+    ids = jnp.asarray(keep_ids).reshape(-1, jnp.shape(keep_ids)[-1])
+    local = ids - a.vocab_start
+    col = jnp.where((ids >= 0) & (local >= 0) & (local < v_local), local, v_local)  # column v_local: the rest
+    rows = jnp.arange(ids.shape[0])[:, None]
+    mask = jnp.zeros((ids.shape[0], v_local + 1), jnp.bool_).at[rows, col].set(True)
+    return mask[:, :v_local].reshape(*ts, v_local)
 
 
 def _unsupported(a: Args) -> str | None:

@@ -41,7 +41,7 @@ def _inputs(dtype="float32", seed=0):
 def _jax(d, dtype, backward, keep=None, **kw):
     hidden, weight, bias, targets, temp, k, g, e = d
     keep = k if keep is None else keep
-    cast = lambda x: jnp.asarray(x, dtype)  # noqa: E731
+    cast = lambda x: jnp.asarray(x, dtype)
 
     def f(hh, ww, bb, tt):
         lp, en = rlk_xla.linear_logp(hh, ww, jnp.asarray(targets), bias=bb, temperature=tt, return_entropy=True,

@@ -35,13 +35,16 @@ def dtensor_rule(fn):
     @functools.wraps(fn)
     def wrapper(hidden, weight, targets, *args, bias=None, tp_group=None, vocab_start=None, **kwargs):
         dt = _dtensor_type()
-        if dt is None or not any(isinstance(t, dt) for t in (hidden, weight, targets, bias, kwargs.get("keep_mask"))):
+        nucleus = ("keep_mask", "keep_ids")
+        if dt is None or not any(isinstance(t, dt) for t in (hidden, weight, targets, bias,
+                                                             *map(kwargs.get, nucleus))):
             return fn(hidden, weight, targets, *args, bias=bias, tp_group=tp_group, vocab_start=vocab_start,
                       **kwargs)
         weight, bias, tp_group, vocab_start, tp_dim = _weight(dt, weight, bias, tp_group, vocab_start)
         hidden, targets, wrap = _rows(dt, hidden, targets, tp_dim)
-        if isinstance(kwargs.get("keep_mask"), dt):
-            kwargs["keep_mask"] = kwargs["keep_mask"].to_local()
+        for name in nucleus:  # keep_mask: this shard's columns; keep_ids: global ids, replicated
+            if isinstance(kwargs.get(name), dt):
+                kwargs[name] = kwargs[name].to_local()
         out = fn(hidden, weight, targets, *args, bias=bias, tp_group=tp_group, vocab_start=vocab_start, **kwargs)
         return tuple(map(wrap, out)) if isinstance(out, tuple) else wrap(out)
 
@@ -99,10 +102,10 @@ def _rows(dt, hidden, targets, tp_dim):
         if not p.is_shard() or p.dim % hidden.ndim == last or i == tp_dim:
             raise ValueError(f"linear_logp: hidden placements {placements} are not supported: replicate hidden over "
                              "the weight's vocab dim (rows may be Shard over other mesh dims, never the hidden dim)")
-    if any(p.is_shard() for p in placements):
-        if not isinstance(targets, dt) or tuple(targets.placements) != placements:
-            raise TypeError(f"linear_logp: hidden's rows are sharded ({placements}): targets must be a DTensor with the "
-                            "same placements")
+    sharded_rows = any(p.is_shard() for p in placements)
+    if sharded_rows and (not isinstance(targets, dt) or tuple(targets.placements) != placements):
+        raise TypeError(f"linear_logp: hidden's rows are sharded ({placements}): targets must be a DTensor with the "
+                        "same placements")
     if isinstance(targets, dt):
         targets = targets.to_local()
     mesh = hidden.device_mesh
