@@ -1,8 +1,10 @@
 """linear_logp under jax.jit with sharded inputs and no shard_map (GSPMD / Shardy): the op
 partitions itself.
 
-Engaged by rlk_xla.linear_logp when a mesh is set (jax.set_mesh / jax.sharding.use_mesh, as
-MaxText and Levanter run) and the call is not already inside shard_map (axis_name=None). Each
+Engaged by rlk_xla.linear_logp when a mesh is set (`with jax.set_mesh(mesh):`) and the call is not
+already inside shard_map (axis_name=None). Without a set mesh (jit over NamedSharding inputs alone,
+or the deprecated `with mesh:`), a jitted program cannot see its operands' shardings at trace time
+and the call is the single-device program, which GSPMD partitions by gathering the weight. Each
 half of the custom_vjp is a custom_partitioning op that reads its operands' shardings at lowering:
 
 - weight [V, H] (and bias [V]) sharded over one mesh axis on V: that axis is the vocab axis, each
