@@ -163,3 +163,32 @@ def test_refused_heads(softcap, outputs, match):
 def test_not_a_trl_trainer():
     with pytest.raises(TypeError, match="GRPOTrainer"):
         use_rlk(object())
+
+
+def test_bf16_autocast_as_trl_runs_an_fp32_model():
+    """TRL with bf16=True runs an fp32 model under torch.autocast: bf16 activations meet the fp32 head,
+    which the op casts as F.linear does. On the same (bf16) final hidden states, the logps and the head's
+    gradient are within twice TRL's own error against a float64 head of the bf16-rounded operands."""
+    ids = torch.randint(3, 93, (2, 12), generator=torch.Generator().manual_seed(0))
+    labels = ids.clone()
+    labels[:, :5] = -100
+    out, hidden = {}, {}
+    for name in ("trl", "rlk"):
+        model = _model()
+        (trl.trainer.utils.add_fused_lm_head if name == "trl" else add_fused_lm_head)(model, temperature=TEMPERATURE)
+        model.model.norm.register_forward_hook(lambda m, i, o, name=name: hidden.__setitem__(name, o.detach()))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logp = model(input_ids=ids, labels=labels, fused_lm_head=True).log_probs
+        logp.sum().backward()
+        out[name] = (logp.detach().to(F64), model.lm_head.weight.grad.to(F64))
+    assert torch.equal(hidden["trl"], hidden["rlk"])
+    # the float64 head of the bf16-rounded operands (autocast's cast passes the gradient straight to W)
+    w = _model().lm_head.weight.detach().to(F64).requires_grad_()
+    w_bf16 = w + (w.to(torch.bfloat16).to(F64) - w).detach()
+    h = hidden["trl"][:, :-1].to(torch.bfloat16).to(F64)
+    mask = labels[:, 1:] != -100
+    lsm = (h @ w_bf16.T / TEMPERATURE).log_softmax(-1)
+    logp = lsm.gather(-1, labels[:, 1:].clamp(min=0)[..., None])[..., 0].masked_fill(~mask, 0)
+    logp.sum().backward()
+    for i, ref in enumerate((logp.detach(), w.grad)):
+        assert _err(out["rlk"][i], ref) <= max(2 * _err(out["trl"][i], ref), 64 * 2.0 ** -24 * ref.abs().max().item())
