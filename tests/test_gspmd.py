@@ -16,6 +16,8 @@ from jax.sharding import PartitionSpec as P
 import rlk_xla
 from rlk_xla.parallel import vocab_parallel_linear_logp
 
+pytestmark = pytest.mark.skipif(len(jax.devices("cpu")) < 8, reason="needs 8 CPU devices (tests/conftest.py)")
+
 N, H, V, REAL = 22, 32, 1024, 1000
 
 # (mesh shape, axis names, devices): TP 4 and 8, and dp x tp on 4 and 8 devices
@@ -26,7 +28,7 @@ MESHES = {"tp4": ((4,), ("tp",)), "tp8": ((8,), ("tp",)), "dp2_tp2": ((2, 2), ("
 def _mesh(name):
     shape, names = MESHES[name]
     return jax.make_mesh(shape, names, axis_types=(jax.sharding.AxisType.Auto,) * len(shape),
-                         devices=jax.devices()[:int(np.prod(shape))])
+                         devices=jax.devices("cpu")[:int(np.prod(shape))])
 
 
 def _inputs(seed=0):
@@ -81,7 +83,7 @@ def test_gspmd_gives_the_shard_map_bits_with_no_all_gather(name):
 
 def _per_device_bytes(tp, n=256, h=256, v=32768):
     mesh = _mesh("tp8") if tp == 8 else jax.make_mesh((tp,), ("tp",), axis_types=(jax.sharding.AxisType.Auto,),
-                                                       devices=jax.devices()[:tp])
+                                                       devices=jax.devices("cpu")[:tp])
     shapes = (((n, h), jnp.bfloat16, P()), ((v, h), jnp.bfloat16, P("tp", None)), ((n,), jnp.int32, P()))
     args = [jax.ShapeDtypeStruct(s, d, sharding=NamedSharding(mesh, p)) for s, d, p in shapes]
 
