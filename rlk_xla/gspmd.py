@@ -90,11 +90,12 @@ def _op_bwd(opts, res, cts):
 _op.defvjp(_op_fwd, _op_bwd)
 
 
-def _layout(opts, mesh, arg_shapes):
-    """(rows spec entry, vocab axis or None) from the operands' shardings, or a clear error."""
+def _layout(arg_shapes):
+    """(the rows' spec entry, the mesh axes sharding the rows, the vocab axis or None) from the
+    operands' shardings (hidden's and the weight's), or a clear error."""
     def spec(i):
-        s = arg_shapes[i].sharding
-        return tuple(s.spec) + (None,) * (len(arg_shapes[i].shape) - len(s.spec)) if hasattr(s, "spec") else (None,)
+        s, ndim = arg_shapes[i].sharding, len(arg_shapes[i].shape)
+        return (tuple(s.spec) + (None,) * ndim)[:ndim] if hasattr(s, "spec") else (None,) * ndim
     hs, ws = spec(0), spec(1)
     if hs[1] is not None or ws[1] is not None:
         raise ValueError(f"rlk_xla.linear_logp under GSPMD: the hidden dimension is sharded (hidden {P(*hs)}, weight "
@@ -159,12 +160,12 @@ def _forward(opts):
         return _local_call(opts, None)(hidden, weight, targets, *extras)
 
     def partition(mesh, arg_shapes, result_shape):
-        rows, _, vocab = _layout(opts, mesh, arg_shapes)
+        rows, _, vocab = _layout(arg_shapes)
         args, results = _shardings(opts, mesh, rows, vocab, backward=False)
         return mesh, _local_call(opts, vocab), results, tuple(args)
 
     def infer(mesh, arg_shapes, result_shape):
-        rows, _, vocab = _layout(opts, mesh, arg_shapes)
+        rows, _, vocab = _layout(arg_shapes)
         return _shardings(opts, mesh, rows, vocab, backward=False)[1]
 
     f = custom_partitioning(reference)
@@ -215,12 +216,12 @@ def _backward(opts):
         return grads(None, ())(hidden, weight, targets, *rest)
 
     def partition(mesh, arg_shapes, result_shape):
-        rows, row_axes, vocab = _layout(opts, mesh, arg_shapes)
+        rows, row_axes, vocab = _layout(arg_shapes)
         args, results = _shardings(opts, mesh, rows, vocab, backward=True)
         return mesh, grads(vocab, row_axes), results, tuple(args)
 
     def infer(mesh, arg_shapes, result_shape):
-        rows, _, vocab = _layout(opts, mesh, arg_shapes)
+        rows, _, vocab = _layout(arg_shapes)
         return _shardings(opts, mesh, rows, vocab, backward=True)[1]
 
     f = custom_partitioning(reference)

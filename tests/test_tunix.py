@@ -165,5 +165,7 @@ def test_restore_puts_tunix_back():
     native = common.compute_per_token_logps
     handle = use_rlk()
     assert common.compute_per_token_logps is not native
+    with pytest.raises(RuntimeError, match="already in effect"):
+        use_rlk()
     handle.restore()
     assert common.compute_per_token_logps is native

@@ -59,6 +59,8 @@ def use_rlk(**op_kwargs) -> Handle:
     mode=, backward=, ...)."""
     from tunix.rl import algo_core, common
 
+    if getattr(common.compute_per_token_logps, "func", None) is compute_per_token_logps:
+        raise RuntimeError("use_rlk() is already in effect: restore() its handle first")
     saved = [(common, "compute_per_token_logps", common.compute_per_token_logps),
              (algo_core, "compute_entropy_from_logits", algo_core.compute_entropy_from_logits)]
     common.compute_per_token_logps = functools.partial(compute_per_token_logps, op_kwargs=tuple(op_kwargs.items()))
