@@ -1,6 +1,6 @@
 """rlk_xla.linear_logp(keep_mask=): the top-p nucleus in JAX with torch_bridge's semantics and kernels.
 The same bits as torch_bridge.linear_logp for the same inputs (logp, entropy and every gradient; fp32
-and bf16, lean and fast, a per-token temperature, a bias); a target outside the nucleus gives -inf,
+and bf16, lean and fast, a per-token temperature, a bias; on the CPU, and on CUDA with `-m gpu`); a target outside the nucleus gives -inf,
 an empty nucleus NaN, the entropy stays the whole distribution's (the no-mask call's bits); TP 2 and
 4 under shard_map give the unsharded bits (logp, entropy, dW, db; dH and dT, sums of the shards'
 partials, to fp32 rounding); the reference (mode="off") agrees to fp32 rounding; a
@@ -13,6 +13,7 @@ torch = pytest.importorskip("torch", reason="torch is not installed: the bits ar
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
+from torch_helpers import GPU
 
 import rlk_xla
 import torch_bridge
@@ -59,24 +60,37 @@ def _jax(d, dtype, backward, keep=None, **kw):
     return [np.asarray(x, np.float32) for x in (*out, *grads)]
 
 
-def _torch(d, dtype, backward):
+def _torch(d, dtype, backward, device="cpu"):
     hidden, weight, bias, targets, temp, keep, g, e = d
     dt = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
-    leaves = [torch.tensor(x).to(dt).requires_grad_() for x in (hidden, weight, bias)]
-    tt = torch.tensor(temp).requires_grad_()
-    lp, en = torch_bridge.linear_logp(*leaves[:2], torch.tensor(targets).long(), bias=leaves[2], temperature=tt,
-                                      return_entropy=True, keep_mask=torch.tensor(keep), backward=backward)
-    ((lp * torch.tensor(g)).sum() + (en * torch.tensor(e)).sum()).backward()
-    return [x.detach().float().numpy() for x in (lp, en, *(t.grad for t in leaves), tt.grad)]
+    on = lambda x: torch.tensor(x).to(device)
+    leaves = [on(x).to(dt).requires_grad_() for x in (hidden, weight, bias)]
+    tt = on(temp).requires_grad_()
+    lp, en = torch_bridge.linear_logp(*leaves[:2], on(targets).long(), bias=leaves[2], temperature=tt,
+                                      return_entropy=True, keep_mask=on(keep), backward=backward)
+    ((lp * on(g)).sum() + (en * on(e)).sum()).backward()
+    return [x.detach().float().cpu().numpy() for x in (lp, en, *(t.grad for t in leaves), tt.grad)]
 
 
+def _jax_device(device):
+    if device == "cpu":
+        return jax.devices("cpu")[0]
+    try:
+        return jax.devices("gpu")[0]
+    except RuntimeError:
+        pytest.skip("needs a JAX GPU backend (jax.devices('gpu') is empty)")
+
+
+@pytest.mark.parametrize("device", ["cpu", GPU])
 @pytest.mark.parametrize("backward", ["lean", "fast"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_same_bits_as_torch(dtype, backward):
+def test_same_bits_as_torch(dtype, backward, device):
     d = _inputs(dtype)
-    for name, ours, theirs in zip(("logp", "entropy", "dh", "dw", "db", "dtemp"), _jax(d, dtype, backward),
-                                  _torch(d, dtype, backward), strict=True):
-        np.testing.assert_array_equal(ours, theirs, err_msg=name)
+    with jax.default_device(_jax_device(device)):
+        ours = _jax(d, dtype, backward)
+    for name, a, b in zip(("logp", "entropy", "dh", "dw", "db", "dtemp"), ours, _torch(d, dtype, backward, device),
+                          strict=True):
+        np.testing.assert_array_equal(a, b, err_msg=name)
 
 
 def test_semantics_outside_empty_and_the_entropy():
