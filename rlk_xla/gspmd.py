@@ -66,7 +66,14 @@ def linear_logp(hidden, weight, targets, *, bias, temperature, ignore_index, rea
                  temperature=1.0 if temp_array else float(temperature), ignore_index=int(ignore_index),
                  real_vocab=int(weight.shape[0] if real_vocab_size is None else real_vocab_size), mode=mode)
     extras = ((bias,) if bias is not None else ()) + ((jnp.asarray(temperature).reshape(-1),) if temp_array else ())
-    logp, ent = _op(opts, h2, weight, t1, *extras)
+    try:
+        logp, ent = _op(opts, h2, weight, t1, *extras)
+    except NotImplementedError as err:  # custom_partitioning has no batching rule
+        if "custom_partitioning" not in str(err):
+            raise
+        raise ValueError("rlk_xla.linear_logp under jax.set_mesh does not run under vmap (custom_partitioning has "
+                         "no batching rule): pass the batch as leading dims of hidden and targets (any [..., H] "
+                         "works), or call it outside the mesh") from err
     logp, ent = logp.reshape(out_shape), ent.reshape(out_shape)
     return (logp, ent) if return_entropy else logp
 

@@ -3,7 +3,7 @@ Shardy; rlk_xla.gspmd), on 4 and 8 CPU devices: the vocab sharded over "tp" (row
 compiles with no all-gather, gives the shard_map path's bits (logp, entropy and the gradients of
 hidden, weight, bias and a per-token temperature, backward="lean"), dW keeps the weight's sharding
 and dH the hidden's; per-device temp bytes stay far below one logits buffer at every TP degree while
-the weight's bytes shrink with it; a sharded hidden dimension is refused."""
+the weight's bytes shrink with it; a sharded hidden dimension, and vmap under the mesh, are refused."""
 import pytest
 
 jax = pytest.importorskip("jax", reason="jax is not installed: these tests need it")
@@ -111,3 +111,10 @@ def test_sharded_hidden_dimension_is_refused():
     hidden = jax.device_put(hidden, NamedSharding(mesh, P(None, "tp")))
     with jax.set_mesh(mesh), pytest.raises(Exception, match="hidden dimension is sharded"):
         jax.jit(lambda h, w, t: rlk_xla.linear_logp(h, w, t))(hidden, weight, targets)
+
+
+def test_vmap_under_a_set_mesh_is_refused_with_the_fix():
+    mesh = _mesh("tp4")
+    hidden, weight, _, _, targets, _ = _inputs()
+    with jax.set_mesh(mesh), pytest.raises(ValueError, match="leading dims"):
+        jax.jit(jax.vmap(lambda h, t: rlk_xla.linear_logp(h, weight, t)))(hidden[None], targets[None])
