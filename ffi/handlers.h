@@ -9,6 +9,8 @@
 // size on the CPU, which uses none), and the six attributes of io::Attrs.
 #pragma once
 
+#include <algorithm>
+
 #include <optional>
 #include <string>
 
@@ -67,6 +69,8 @@ io::Fail fill(IO& io, const ffi::RemainingArgs& args, const ffi::RemainingRets& 
       if (!b.has_value()) return io::invalid(std::string(f.name) + ": " + b.error().message());
       io.*f.member = buf_of(**b);
     }
+    io::Buf& got = io.*f.member;  // an optional buffer with no elements is absent
+    if ((f.flags & io::kOpt) && std::find(got.dims.begin(), got.dims.end(), 0) != got.dims.end()) got = io::Buf{};
   }
   if (in != args.size() || out != rets.size())
     return io::invalid("too many operands or results (" + std::to_string(args.size()) + " and " +

@@ -77,8 +77,9 @@ struct Attrs {
   int64_t RLK_ATTRS(RLK_ATTR_NAME);
 };
 
-// A stage's buffer table.
-enum Flag : unsigned { kIn = 1, kOut = 2, kFfi = 4, kDl = 8, kBoth = kFfi | kDl };
+// A stage's buffer table. kOpt: optional in the XLA FFI too, where an empty buffer means absent (the
+// nucleus's buffers; DLPack passes None).
+enum Flag : unsigned { kIn = 1, kOut = 2, kFfi = 4, kDl = 8, kBoth = kFfi | kDl, kOpt = 16 };
 template <class IO>
 struct Field {
   const char* name;
@@ -98,14 +99,15 @@ struct CombineOut {
 };
 
 // forward: per-(row, chunk) statistics and the target logit; with saved_logits (non-empty) also
-// what the fast backward reads (saved_logits_bytes of the executor, in its own layout). DLPack only: a
-// nucleus (keep, keep_sum) and the combine of a call over the whole vocab in the same call.
+// what the fast backward reads (saved_logits_bytes of the executor, in its own layout); with a
+// nucleus (keep, keep_sum; both entry points) its per-chunk sums. DLPack only: the combine of a call
+// over the whole vocab in the same call.
 struct ForwardIO : Operands, CombineOut {
   Buf keep;
   Buf stats, target_logit, saved_logits, workspace, keep_sum;
 };
 
-// combine: all chunks' statistics -> logp, entropy, m, log_s; DLPack only: the nucleus's sums.
+// combine: all chunks' statistics -> logp, entropy, m, log_s; with the nucleus's sums, log_s_keep.
 struct CombineIO : CombineOut {
   Buf stats, target_logit, targets, keep_sum;
   Buf workspace;  // unused (every XLA target has one)
@@ -113,7 +115,7 @@ struct CombineIO : CombineOut {
 
 // backward: dhidden, dweight, dbias, dtemp; with saved_logits (non-empty) the fast strategy, else
 // lean. The XLA FFI passes saved_logits as an operand aliased to a result (the CUDA backend
-// overwrites it): the result is the one written. DLPack only: the nucleus (keep, log_s_keep).
+// overwrites it): the result is the one written. With a nucleus: keep, log_s_keep.
 struct BackwardIO : Operands {
   Buf m, log_s, entropy, g, e, keep, log_s_keep;
   Buf saved_logits, dhidden, dweight, dbias, dtemp, workspace;
@@ -135,12 +137,12 @@ constexpr std::array<Field<IO>, 5> operand_fields() {
            {"temperature", &IO::temperature, kIn | kBoth, 1}}};
 }
 
-// The CombineOut's fields: logp, entropy, m, log_s passed by `where`; log_s_keep by DLPack only.
+// The CombineOut's fields, passed by `where` (log_s_keep optional).
 template <class IO>
 constexpr std::array<Field<IO>, 5> combine_out_fields(unsigned where) {
   return {{{"logp", &IO::logp, kOut | where, 1}, {"entropy", &IO::entropy, kOut | where, 1},
            {"m", &IO::m, kOut | where, 1}, {"log_s", &IO::log_s, kOut | where, 1},
-           {"log_s_keep", &IO::log_s_keep, kOut | kDl, 1}}};
+           {"log_s_keep", &IO::log_s_keep, kOut | where | kOpt, 1}}};
 }
 
 template <class IO>
@@ -150,9 +152,9 @@ template <>
 constexpr auto fields<ForwardIO>() {
   using IO = ForwardIO;
   constexpr std::array<Field<IO>, 6> own{{
-      {"keep", &IO::keep, kIn | kDl, 2}, {"stats", &IO::stats, kOut | kBoth, 3},
+      {"keep", &IO::keep, kIn | kBoth | kOpt, 2}, {"stats", &IO::stats, kOut | kBoth, 3},
       {"target_logit", &IO::target_logit, kOut | kBoth, 1}, {"saved_logits", &IO::saved_logits, kOut | kBoth, 1},
-      {"workspace", &IO::workspace, kOut | kBoth, 1}, {"keep_sum", &IO::keep_sum, kOut | kDl, 2}}};
+      {"keep_sum", &IO::keep_sum, kOut | kBoth | kOpt, 2}, {"workspace", &IO::workspace, kOut | kBoth, 1}}};
   return cat(cat(operand_fields<IO>(), own), combine_out_fields<IO>(kDl));
 }
 
@@ -161,7 +163,7 @@ constexpr auto fields<CombineIO>() {
   using IO = CombineIO;
   constexpr std::array<Field<IO>, 4> in{{
       {"stats", &IO::stats, kIn | kBoth, 3}, {"target_logit", &IO::target_logit, kIn | kBoth, 1},
-      {"targets", &IO::targets, kIn | kBoth, 1}, {"keep_sum", &IO::keep_sum, kIn | kDl, 2}}};
+      {"targets", &IO::targets, kIn | kBoth, 1}, {"keep_sum", &IO::keep_sum, kIn | kBoth | kOpt, 2}}};
   constexpr std::array<Field<IO>, 1> ws{{{"workspace", &IO::workspace, kOut | kFfi, 1}}};
   return cat(cat(in, combine_out_fields<IO>(kBoth)), ws);
 }
@@ -171,8 +173,8 @@ constexpr auto fields<BackwardIO>() {
   using IO = BackwardIO;
   constexpr std::array<Field<IO>, 14> own{{
       {"m", &IO::m, kIn | kBoth, 1}, {"log_s", &IO::log_s, kIn | kBoth, 1}, {"entropy", &IO::entropy, kIn | kBoth, 1},
-      {"g", &IO::g, kIn | kBoth, 1}, {"e", &IO::e, kIn | kBoth, 1}, {"saved_logits", &IO::saved_logits, kIn | kBoth, 1},
-      {"keep", &IO::keep, kIn | kDl, 2}, {"log_s_keep", &IO::log_s_keep, kIn | kDl, 1},
+      {"g", &IO::g, kIn | kBoth, 1}, {"e", &IO::e, kIn | kBoth, 1}, {"keep", &IO::keep, kIn | kBoth | kOpt, 2},
+      {"log_s_keep", &IO::log_s_keep, kIn | kBoth | kOpt, 1}, {"saved_logits", &IO::saved_logits, kIn | kBoth, 1},
       {"dhidden", &IO::dhidden, kOut | kBoth, 2}, {"dweight", &IO::dweight, kOut | kBoth, 2},
       {"dbias", &IO::dbias, kOut | kBoth, 1}, {"dtemp", &IO::dtemp, kOut | kBoth, 1},
       {"saved_logits", &IO::saved_logits, kOut | kFfi, 1}, {"workspace", &IO::workspace, kOut | kBoth, 1}}};

@@ -23,6 +23,8 @@ def pvary(x, axis_name):
     """Mark a replicated value as varying over `axis_name` (needed to mix it with sharded values)."""
     if axis_name in vma(x):
         return x
+    if axis_name not in jax.sharding.get_abstract_mesh().axis_names:
+        return x  # a custom_partitioning body (rlk_xla.gspmd): collectives by name, no varying types
     if hasattr(lax, "pcast"):
         return lax.pcast(x, axis_name, to="varying")
     if hasattr(lax, "pvary"):  # pragma: no cover - jax 0.6/0.7

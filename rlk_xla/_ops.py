@@ -76,40 +76,52 @@ def _bias_arg(bias):
     return bias if bias is not None else jnp.zeros((0,), F32)
 
 
-def forward(hidden, weight, bias, targets, temperature, cfg: KernelConfig, save_logits: bool = False):
-    """bias: [v] f32 or None; temperature [n] f32 (the kernels form 1/T). -> stats [n, v/chunk, STAT_WIDTH]
-    f32, target_logit [n] f32 (0 where the target is not a real id of this shard), saved_logits: with
-    save_logits the fast backward's record, uint8 [saved_logits_bytes] in the backend's own layout, else [0]."""
+def _opt(x, rank, dtype=F32):
+    """An optional buffer (the nucleus's): x, or the empty array the kernels read as absent."""
+    return x if x is not None else jnp.zeros((0,) * rank, dtype)
+
+
+def forward(hidden, weight, bias, targets, temperature, cfg: KernelConfig, save_logits: bool = False, keep=None):
+    """bias: [v] f32 or None; temperature [n] f32 (the kernels form 1/T); keep: a nucleus, uint8 [n, v],
+    or None. -> stats [n, v/chunk, STAT_WIDTH] f32, target_logit [n] f32 (0 where the target is not a
+    real id of this shard; with keep, -inf where it is outside the nucleus), saved_logits: with
+    save_logits the fast backward's record, uint8 [saved_logits_bytes] in the backend's own layout, else [0];
+    keep_sum: with keep the nucleus's per-chunk sums [n, v/chunk] f32, else [0, 0]."""
     n, v = hidden.shape[0], weight.shape[0]
-    args = (hidden, weight, _bias_arg(bias), targets, temperature)
+    args = (hidden, weight, _bias_arg(bias), targets, temperature, _opt(keep, 2, jnp.uint8))
     saved = saved_logits_bytes(n, v, cfg.chunk, hidden.dtype) if save_logits else 0
-    results = (_sds((n, v // cfg.chunk, STAT_WIDTH), F32, args), _sds((n,), F32, args), _sds((saved,), jnp.uint8, args))
+    results = (_sds((n, v // cfg.chunk, STAT_WIDTH), F32, args), _sds((n,), F32, args), _sds((saved,), jnp.uint8, args),
+               _sds((n, v // cfg.chunk) if keep is not None else (0, 0), F32, args))
     return _on_platform(results, _workspace(hidden, weight, cfg, "forward"), "rlk_forward", args, cfg.attrs())
 
 
-def combine(stats, target_logit, targets, *, real_vocab: int, ignore_index: int):
-    """All chunks of the global vocab -> (logp, entropy, m, log_s), each [n] f32 (m, log_s: the row
-    max and log sum exp(z - m), what the backward takes)."""
+def combine(stats, target_logit, targets, *, real_vocab: int, ignore_index: int, keep_sum=None):
+    """All chunks of the global vocab -> (logp, entropy, m, log_s, log_s_keep), each [n] f32 (m, log_s:
+    the row max and log sum exp(z - m), what the backward takes); with keep_sum (every chunk's kept
+    sums) logp is the nucleus's and log_s_keep = log sum_kept exp(z - m), else log_s_keep is [0]."""
     n = stats.shape[0]
     cfg = KernelConfig(vocab_start=0, real_vocab=real_vocab, chunk=1, ignore_index=ignore_index, has_bias=False,
                        with_entropy=True)
-    args = (stats, target_logit, targets)
-    return _on_platform((_sds((n,), F32, args),) * 4, {}, "rlk_combine", args, cfg.attrs())
+    args = (stats, target_logit, targets, _opt(keep_sum, 2))
+    results = (_sds((n,), F32, args),) * 4 + (_sds((n if keep_sum is not None else 0,), F32, args),)
+    return _on_platform(results, {}, "rlk_combine", args, cfg.attrs())
 
 
 def backward(hidden, weight, bias, targets, temperature, m, log_s, entropy, g, e, cfg: KernelConfig, *,
-             saved_logits, dhidden_f32: bool):
+             saved_logits, dhidden_f32: bool, keep=None, log_s_keep=None):
     """-> dhidden [n, h], dweight [v, h], dbias [v] f32, dtemperature [n] f32 (dhidden and
     dtemperature: this shard's part). dhidden is f32 with dhidden_f32 (a vocab shard's partial, to be
     summed over shards), else in hidden's dtype, rounded once from the f32 sum (the whole vocab: no
     f32 [n, h] buffer at all).
     saved_logits: the forward's record (the fast strategy; the CUDA kernels overwrite it, which XLA
-    gives them through an operand-result alias), or None (lean: recompute)."""
+    gives them through an operand-result alias), or None (lean: recompute).
+    keep (the forward's nucleus) with log_s_keep (the combine's): the gradient of the nucleus's logp."""
     n, h = hidden.shape
     v = weight.shape[0]
     empty = jnp.zeros((0,), F32)
     args = (hidden, weight, _bias_arg(bias), targets, temperature, m, log_s,
-            entropy if cfg.with_entropy else empty, g, e if cfg.with_entropy else empty)
+            entropy if cfg.with_entropy else empty, g, e if cfg.with_entropy else empty, _opt(keep, 2, jnp.uint8),
+            _opt(log_s_keep, 1))
     results = (_sds((n, h), F32 if dhidden_f32 else hidden.dtype, args), _sds((v, h), weight.dtype, args),
                _sds((v if cfg.has_bias else 0,), F32, args), _sds((n,), F32, args))
     _prepare_cuda()

@@ -27,8 +27,10 @@ def linear_logp(hidden, weight, targets, *, bias=None, temperature=1.0, ignore_i
     return (logp, ent.reshape(a.out_shape)) if return_entropy else logp
 
 
-def rows(a: Args, with_entropy: bool):
-    """logp and entropy ([n] f32 each; entropy zeros when not asked) of parsed arguments."""
+def rows(a: Args, with_entropy: bool, keep=None):
+    """logp and entropy ([n] f32 each; entropy zeros when not asked) of parsed arguments; keep: a
+    nucleus (uint8 or bool [n, V_local]) over which logp is renormalized (the entropy stays the whole
+    distribution's)."""
     # Pinned at HIGHEST (no TF32, no bf16 passes, whatever the global default) but for bf16 operands,
     # which are exact in the fp32-accumulating default.
     precision = None if jnp.dtype(a.hidden.dtype) == jnp.bfloat16 else lax.Precision.HIGHEST
@@ -47,7 +49,7 @@ def rows(a: Args, with_entropy: bool):
     zm = z - m[:, None]
     ez = jnp.exp(zm)
     s = reduce_sum(jnp.sum(ez, axis=-1))
-    t = a.targets
+    nucleus, t = keep, a.targets
     local = (t >= a.vocab_start) & (t < a.vocab_start + a.weight.shape[0])
     idx = jnp.clip(t - a.vocab_start, 0, a.weight.shape[0] - 1)
     ztm = reduce_sum(jnp.where(local, jnp.take_along_axis(zm, idx[:, None], axis=-1)[:, 0], 0.0))
@@ -56,9 +58,24 @@ def rows(a: Args, with_entropy: bool):
     valid = ~(ignored | invalid)
     log_s = jnp.log(jnp.where(valid, s, 1.0))
     logp = jnp.where(valid, jnp.minimum(ztm - log_s, 0.0), jnp.where(invalid, jnp.nan, 0.0))
+    if nucleus is not None:
+        logp = _nucleus_logp(a, z, nucleus.astype(bool), local, idx, valid, reduce_max, reduce_sum)
     if not with_entropy:
         return logp, jnp.zeros_like(logp)
     zm_safe = jnp.where(pad, 0.0, zm)  # e^(z-m) (z-m) is 0 on padding; keep -inf out of the gradient
     acc = reduce_sum(jnp.sum(ez * zm_safe, axis=-1))
     ent = jnp.where(valid, log_s - acc / jnp.where(valid, s, 1.0), jnp.where(invalid, jnp.nan, 0.0))
     return logp, ent
+
+
+def _nucleus_logp(a: Args, z, nucleus, local, idx, valid, reduce_max, reduce_sum):
+    """logp over each row's kept ids: -inf for a target outside them, NaN for a row keeping none."""
+    zk = jnp.where(nucleus, z, -jnp.inf)
+    mk = lax.stop_gradient(reduce_max(jnp.max(zk, axis=-1)))
+    mk_safe = jnp.where(jnp.isfinite(mk), mk, 0.0)
+    sk = reduce_sum(jnp.sum(jnp.exp(zk - mk_safe[:, None]), axis=-1))
+    pick = lambda x: jnp.take_along_axis(x, idx[:, None], axis=-1)[:, 0]  # noqa: E731
+    zt = reduce_sum(jnp.where(local, pick(z) - mk_safe, 0.0))
+    kept = reduce_sum(jnp.where(local, pick(nucleus).astype(F32), 0.0)) > 0
+    logp = jnp.where(kept, jnp.minimum(zt - jnp.log(jnp.where(sk > 0, sk, 1.0)), 0.0), -jnp.inf)
+    return jnp.where(valid, jnp.where(sk > 0, logp, jnp.nan), jnp.where(a.targets == a.ignore_index, 0.0, jnp.nan))

@@ -24,20 +24,28 @@ ATTRS = dict(vocab_start=np.int64(0), real_vocab=np.int64(V), chunk=np.int64(V),
              has_bias=np.int64(1), with_entropy=np.int64(1))
 
 
+NO_KEEP = jnp.zeros((0, 0), U8)  # optional buffers (the nucleus's) the XLA FFI reads as absent when empty
+NO_KEEP_SUM = jnp.zeros((0, 0), F32)
+
+
 def sds(shape, dtype=F32):
     return jax.ShapeDtypeStruct(shape, dtype)
 
 
 def operands(**over):
-    """hidden, weight, bias, targets, temperature of a valid forward; `over` replaces any by name."""
+    """hidden, weight, bias, targets, temperature, keep (empty: no nucleus) of a valid forward; `over`
+    replaces any by name."""
     ops = dict(hidden=jnp.ones((N, H), F32), weight=jnp.ones((V, H), F32), bias=jnp.zeros((V,), F32),
-               targets=jnp.zeros((N,), I32), temperature=jnp.ones((N,), F32))
+               targets=jnp.zeros((N,), I32), temperature=jnp.ones((N,), F32), keep=NO_KEEP)
     ops.update(over)
     return list(ops.values())
 
 
+NO_S = jax.ShapeDtypeStruct((0,), F32)  # combine's log_s_keep, absent
+
+
 def fwd_results(**over):
-    res = dict(stats=sds((N, 1, W)), target_logit=sds((N,)), saved_logits=sds((0,), U8))
+    res = dict(stats=sds((N, 1, W)), target_logit=sds((N,)), saved_logits=sds((0,), U8), keep_sum=sds((0, 0)))
     res.update(over)
     return list(res.values())
 
@@ -49,8 +57,18 @@ def call(name, results, args, attrs=ATTRS):
 
 
 def test_valid_buffers_run():
-    stats, tl, _ = call("rlk_forward", fwd_results(), operands())
+    stats, tl, _, _ = call("rlk_forward", fwd_results(), operands())
     assert stats.shape == (N, 1, W) and np.isfinite(np.asarray(stats)).all()
+
+
+def test_a_nucleus_runs_and_its_buffers_are_checked():
+    keep = jnp.ones((N, V), U8)
+    _, _, _, keep_sum = call("rlk_forward", fwd_results(keep_sum=sds((N, 1))), operands(keep=keep))
+    assert keep_sum.shape == (N, 1) and np.isfinite(np.asarray(keep_sum)).all()
+    with pytest.raises(Exception, match="rlk: keep"):
+        call("rlk_forward", fwd_results(keep_sum=sds((N, 1))), operands(keep=jnp.ones((N, V + 1), U8)))
+    with pytest.raises(Exception, match="rlk: keep"):  # keep without keep_sum
+        call("rlk_forward", fwd_results(), operands(keep=keep))
 
 
 @pytest.mark.parametrize("what,results,args", [
@@ -80,10 +98,10 @@ def test_forward_rejects(what, results, args):
 def test_forward_rejects_a_200000_row_problem_with_a_tiny_stats_buffer():
     n = 200_000
     args = [jnp.ones((n, 4), F32), jnp.ones((8, 4), F32), jnp.zeros((0,), F32), jnp.zeros((n,), I32),
-            jnp.ones((n,), F32)]
+            jnp.ones((n,), F32), NO_KEEP]
     attrs = dict(ATTRS, real_vocab=np.int64(8), chunk=np.int64(8), has_bias=np.int64(0))
     with pytest.raises(Exception, match="rlk: stats must be"):
-        call("rlk_forward", [sds((1, 1, 3)), sds((n,)), sds((0,), U8)], args, attrs)
+        call("rlk_forward", [sds((1, 1, 3)), sds((n,)), sds((0,), U8), sds((0, 0))], args, attrs)
 
 
 def test_forward_rejects_a_chunk_that_does_not_divide_the_vocab():
@@ -92,14 +110,14 @@ def test_forward_rejects_a_chunk_that_does_not_divide_the_vocab():
 
 
 @pytest.mark.parametrize("what,results,args", [
-    ("logp", [sds((N + 1,)), sds((N,)), sds((N,)), sds((N,))], [jnp.zeros((N, 2, W)), jnp.zeros((N,)), jnp.zeros((N,), I32)]),
-    ("entropy", [sds((N,)), sds((N, 2)), sds((N,)), sds((N,))], [jnp.zeros((N, 2, W)), jnp.zeros((N,)), jnp.zeros((N,), I32)]),
-    ("m", [sds((N,)), sds((N,)), sds((N,), BF16), sds((N,))], [jnp.zeros((N, 2, W)), jnp.zeros((N,)), jnp.zeros((N,), I32)]),
-    ("log_s", [sds((N,)), sds((N,)), sds((N,)), sds((2,))], [jnp.zeros((N, 2, W)), jnp.zeros((N,)), jnp.zeros((N,), I32)]),
-    ("target_logit", [sds((N,))] * 4, [jnp.zeros((1, 2, W)), jnp.zeros((N,)), jnp.zeros((N,), I32)]),
-    ("stats", [sds((N,))] * 4, [jnp.zeros((N, 2, 1)), jnp.zeros((N,)), jnp.zeros((N,), I32)]),
-    ("target_logit", [sds((N,))] * 4, [jnp.zeros((N, 2, W)), jnp.zeros((2,)), jnp.zeros((N,), I32)]),
-    ("targets", [sds((N,))] * 4, [jnp.zeros((N, 2, W)), jnp.zeros((N,)), jnp.zeros((N,), jnp.int16)]),
+    ("logp", [sds((N + 1,)), sds((N,)), sds((N,)), sds((N,)), NO_S], [jnp.zeros((N, 2, W)), jnp.zeros((N,)), jnp.zeros((N,), I32), NO_KEEP_SUM]),
+    ("entropy", [sds((N,)), sds((N, 2)), sds((N,)), sds((N,)), NO_S], [jnp.zeros((N, 2, W)), jnp.zeros((N,)), jnp.zeros((N,), I32), NO_KEEP_SUM]),
+    ("m", [sds((N,)), sds((N,)), sds((N,), BF16), sds((N,)), NO_S], [jnp.zeros((N, 2, W)), jnp.zeros((N,)), jnp.zeros((N,), I32), NO_KEEP_SUM]),
+    ("log_s", [sds((N,)), sds((N,)), sds((N,)), sds((2,)), NO_S], [jnp.zeros((N, 2, W)), jnp.zeros((N,)), jnp.zeros((N,), I32), NO_KEEP_SUM]),
+    ("target_logit", [sds((N,))] * 4 + [NO_S], [jnp.zeros((1, 2, W)), jnp.zeros((N,)), jnp.zeros((N,), I32), NO_KEEP_SUM]),
+    ("stats", [sds((N,))] * 4 + [NO_S], [jnp.zeros((N, 2, 1)), jnp.zeros((N,)), jnp.zeros((N,), I32), NO_KEEP_SUM]),
+    ("target_logit", [sds((N,))] * 4 + [NO_S], [jnp.zeros((N, 2, W)), jnp.zeros((2,)), jnp.zeros((N,), I32), NO_KEEP_SUM]),
+    ("targets", [sds((N,))] * 4 + [NO_S], [jnp.zeros((N, 2, W)), jnp.zeros((N,)), jnp.zeros((N,), jnp.int16), NO_KEEP_SUM]),
 ], ids=lambda x: x if isinstance(x, str) else "")
 def test_combine_rejects(what, results, args):
     with pytest.raises(Exception, match=f"rlk: {what}"):
@@ -109,7 +127,7 @@ def test_combine_rejects(what, results, args):
 def bwd_args(**over):
     ops = dict(zip(("hidden", "weight", "bias", "targets", "temperature"), operands()))
     ops.update(m=jnp.zeros((N,)), log_s=jnp.zeros((N,)), entropy=jnp.zeros((N,)), g=jnp.ones((N,)), e=jnp.ones((N,)),
-               saved_logits=jnp.zeros((0,), U8))
+               keep=NO_KEEP, log_s_keep=jnp.zeros((0,), F32), saved_logits=jnp.zeros((0,), U8))
     ops.update(over)
     return list(ops.values())
 

@@ -21,10 +21,16 @@ import rlk_common as common
 from . import _ops  # also registers torch.ops.rlk.*
 from . import reference, routes
 from ._args import Args, parse, resolve_backward, unsupported, validate_targets as _validate_targets
+from ._autocast import autocast_rule
+from ._dtensor import dtensor_rule
+from ._keep_ids import keep_ids_rule
 
 F32 = torch.float32
 
 
+@dtensor_rule
+@autocast_rule
+@keep_ids_rule
 def linear_logp(hidden, weight, targets, *, bias=None, temperature=1.0, ignore_index=-100, return_entropy=False,
                 vocab_start=None, real_vocab_size=None, tp_group=None, mode=None, reduce_grad_hidden=True,
                 validate_targets=True, backward="auto", backward_memory_budget=None, keep_mask=None):
@@ -59,6 +65,13 @@ def linear_logp(hidden, weight, targets, *, bias=None, temperature=1.0, ignore_i
     that keeps nothing), the entropy stays that of the whole distribution; gradients of both. The
     kernels take it in the fused pass (no [n, V] float buffer; on CUDA the portable forward kernel,
     not the sm90 one, and lean's cuBLAS path).
+    keep_ids: the nucleus as kept ids, int [..., K] (targets' shape plus K), -1 padded, global vocab
+    ids, a repeated one counted once: the keep_mask they stand for (_keep_ids.py); not with keep_mask.
+    Under torch.autocast, hidden, weight and bias are cast to the autocast dtype as F.linear casts
+    them (_autocast.py); outside it, mixed dtypes raise.
+    DTensor operands: a weight sharded Shard(0) over a mesh dim runs the TP path over that dim's
+    group, dW comes back with the weight's placements; a replicated DTensor hidden is accepted
+    (_dtensor.py has the rule and what it refuses).
     """
     mode = routes.resolve_mode(mode)
     return_entropy = common.check_flag("return_entropy", return_entropy)
