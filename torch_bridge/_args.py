@@ -222,13 +222,19 @@ def unsupported(hidden: torch.Tensor) -> str | None:
     """Why the fused kernels cannot take tensors like `hidden` (the fallback reason), or None."""
     if hidden.dtype not in SUPPORTED_DTYPES:
         return common.dtype_fallback(dtype_name(hidden.dtype))
+    if hidden.device.type in _KERNEL_DEVICES:
+        return None
     return common.platform_fallback(PLATFORMS, "name", hidden.device.type)
+
+
+# The torch device types this build's kernels run on (PLATFORMS' names, supported).
+_KERNEL_DEVICES = frozenset(p["name"] for p in PLATFORMS.values() if p["supported"])
 
 
 def saved_logits_bytes(n: int, v_local: int, chunk: int, dtype: torch.dtype, device: torch.device) -> int:
     """Bytes of the fast backward's saved logits (uint8) for the kernels of `device`; 0 where the
     kernels do not run (unsupported dtype or device: nothing is saved)."""
-    if dtype not in SUPPORTED_DTYPES or common.platform_fallback(PLATFORMS, "name", device.type) is not None:
+    if dtype not in SUPPORTED_DTYPES or device.type not in _KERNEL_DEVICES:
         return 0
     return n * _saved_row_bytes(int(v_local), int(chunk), dtype_name(dtype), device.type)
 
