@@ -10,6 +10,12 @@ with them, so the golden file holds one set of digests per `_rlk_core.cpu_isa` (
 
     PYTHONPATH=$PWD python3 tests/bits_golden.py --write fp32     # or: half, all
 
+The other ISAs' digests come from builds for them (on an AVX-512 machine), each put in place of the
+tree's _rlk_core for the --write:
+    cmake -S . -B build/isa-avx2 -G Ninja -DRLK_CUDA=OFF -DRLK_NATIVE=OFF -DCMAKE_CXX_FLAGS=-march=x86-64-v3
+    (and build/isa-avx512 with -march=skylake-avx512), ninja -C each, then per build:
+    cp build/isa-avx2/_rlk_core*.so . && PYTHONPATH=$PWD python3 tests/bits_golden.py --write fp32
+
 The calls: forward (logp, entropy) with bias, per-token temperature, ignored rows and padded vocab;
 the fast and the lean backward (every gradient); a vmapped call (the FFI's batch folding); a
 tensor-parallel-shaped pair of shards (stats at a vocab offset, their combine, each shard's backward);
