@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <initializer_list>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "rlk/linear_logp.h"
@@ -41,8 +42,6 @@ inline bool to_dtype(Elem e, DType* out) {
     default: return false;
   }
 }
-
-inline Elem elem_of(DType t) { return t == DType::kF32 ? Elem::kF32 : t == DType::kF16 ? Elem::kF16 : Elem::kBF16; }
 
 // One buffer of a call: absent (a DLPack None) or [lead..., core...].
 struct Buf {

@@ -6,6 +6,8 @@
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 
+#include <algorithm>
+#include <cstring>
 #include <optional>
 #include <stdexcept>
 
@@ -90,22 +92,12 @@ struct DlCall {
   uintptr_t stream = 0;
 };
 
+// Buffer `name` of io, by its table; false if the table has none.
 template <class IO>
-DlCall from_kwargs(IO& io, const nb::kwargs& kw) {
-  DlCall c;
-  size_t used = 0;
-  for (const auto& [name, member] : kAttrs) {
-    if (!kw.contains(name)) continue;
-    ++used;
-    nb::handle v = kw[name];
-    c.at.*member = nb::isinstance<nb::bool_>(v) ? int64_t(nb::cast<bool>(v)) : nb::cast<int64_t>(v);
-  }
-  if (kw.contains("stream")) c.stream = nb::cast<uintptr_t>(kw["stream"]), ++used;
+bool fill_buffer(IO& io, const char* name, nb::handle v) {
   for (const auto& f : rlk::io::fields<IO>()) {
-    if (!(f.flags & rlk::io::kDl) || !kw.contains(f.name)) continue;
-    ++used;
-    nb::handle v = kw[f.name];
-    if (v.is_none()) continue;
+    if (!(f.flags & rlk::io::kDl) || std::strcmp(f.name, name) != 0) continue;
+    if (v.is_none()) return true;
     Array a;
     if (!nb::try_cast(v, a, /*convert=*/false))
       throw std::invalid_argument(std::string("rlk: ") + f.name + " must be a C-contiguous array (DLPack)");
@@ -116,8 +108,28 @@ DlCall from_kwargs(IO& io, const nb::kwargs& kw) {
     b.data = static_cast<char*>(a.data());
     b.elem_bytes = a.itemsize();
     b.device = a.device_type();
+    return true;
   }
-  if (used != kw.size()) throw std::invalid_argument("rlk: an unknown keyword argument (the stage's table, io.h)");
+  return false;
+}
+
+// One pass over the keyword arguments: each an attribute, the stream or a buffer of the table.
+template <class IO>
+DlCall from_kwargs(IO& io, const nb::kwargs& kw) {
+  DlCall c;
+  for (const auto& [key, v] : kw) {
+    const char* name = nb::borrow<nb::str>(key).c_str();
+    if (std::strcmp(name, "stream") == 0) {
+      c.stream = nb::cast<uintptr_t>(v);
+      continue;
+    }
+    const auto attr = std::find_if(std::begin(kAttrs), std::end(kAttrs),
+                                   [&](const auto& e) { return std::strcmp(e.first, name) == 0; });
+    if (attr != std::end(kAttrs))
+      c.at.*attr->second = nb::isinstance<nb::bool_>(v) ? int64_t(nb::cast<bool>(v)) : nb::cast<int64_t>(v);
+    else if (!fill_buffer(io, name, v))
+      throw std::invalid_argument(std::string("rlk: unknown keyword argument ") + name + " (the stage's table, io.h)");
+  }
   if (rlk::io::Fail f = rlk::io::split_all(io)) throw std::invalid_argument(f.what);
   return c;
 }
@@ -248,6 +260,16 @@ NB_MODULE(_rlk_core, m) {
   m.attr("MAX_INVARIANT_TP") = rlk::kMaxInvariantTp;
   m.attr("has_xla_ffi") = bool(RLK_HAVE_XLA_FFI);
   m.attr("has_cuda") = bool(RLK_HAVE_CUDA);
+  // The CPU kernels' instruction set as built (-march): their GEMM blocks, and so their bits, follow it.
+#if defined(__AVX512BF16__)
+  m.attr("cpu_isa") = "avx512bf16";
+#elif defined(__AVX512F__)
+  m.attr("cpu_isa") = "avx512";
+#elif defined(__AVX2__)
+  m.attr("cpu_isa") = "avx2";
+#else
+  m.attr("cpu_isa") = "generic";
+#endif
 
   // The operand dtypes, named as jax and torch name them; the codes are rlk::DType's.
   nb::enum_<rlk::DType>(m, "DType", "Operand dtype of a problem shape (rlk::DType).")

@@ -287,7 +287,7 @@ def cuda_workspace_bytes(core, n: int, h: int, v_local: int, chunk: int, dtype: 
 
 def resolve_backward(backward: str, saved_logits_bytes: int, budget=None) -> str:
     """The backward strategy of one call (BACKWARDS), "fast" or "lean":
-    - "fast": the forward also keeps what the backward needs of this shard's logits (the kept
+    - "fast": the forward also saves what the backward needs of this shard's logits (the saved
       buffer, in a max-relative form: saved_logits_bytes, about n * V_local * 2 bytes for 16-bit operands,
       4 for fp32) and the backward reads it back instead of recomputing the logits, as exact as
       lean at any logit scale and temperature (docs/design.md §5);

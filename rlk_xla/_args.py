@@ -174,7 +174,7 @@ def saved_logits_bytes(n: int, v_local: int, chunk: int, dtype) -> int:
 
 def resolve_backward(backward: str, a: Args, budget) -> str:
     """"fast" or "lean": rlk_common.resolve_backward over this call's saved_logits_bytes."""
-    if jnp.dtype(a.hidden.dtype) not in SUPPORTED_DTYPES:  # the reference runs: nothing is kept
+    if jnp.dtype(a.hidden.dtype) not in SUPPORTED_DTYPES:  # the reference runs: nothing is saved
         return common.resolve_backward(backward, 0, budget)
     return common.resolve_backward(backward, saved_logits_bytes(a.hidden.shape[0], a.weight.shape[0], a.chunk,
                                                         a.hidden.dtype), budget)

@@ -15,7 +15,7 @@ def vocab_parallel_linear_logp(hidden, weight, targets, *, mesh, vocab_axis="tp"
     on its first dimension and, optionally, the tokens (the first dimension of hidden, targets and
     a temperature array) sharded over `token_axis` (a dp x tp mesh). V is the padded global vocab;
     ids at or past `real_vocab_size` are padding. Returns what linear_logp returns, sharded like
-    the tokens. backward / backward_memory_budget: as linear_logp, per device (its shard's kept
+    the tokens. backward / backward_memory_budget: as linear_logp, per device (its shard's saved
     logits are n_local * V_local)."""
     tok = P(token_axis)
     names, args, specs = ["hidden", "weight", "targets"], [hidden, weight, targets], [tok, P(vocab_axis), tok]

@@ -1,11 +1,20 @@
 """Bit-equality harness: a fixed set of calls through both frontends on the CPU, each call's outputs
 reduced to a sha256 digest and compared with tests/golden/bits.json (tests/test_bits_golden.py).
 
-A refactor that must not change a single output bit (issue 46) runs it before and after. The golden
-file keeps the 16-bit operands' digests ("half") apart from the float32 ones ("fp32"), so a change
-that legitimately moves only one family (e.g. the CPU's fp32 accumulation) refreshes only that part:
+A refactor that must not change a single output bit (issue 46) runs it before and after. The CPU
+kernels' GEMM blocks follow the instruction set they are built for (-march=native), and their bits
+with them, so the golden file holds one set of digests per `_rlk_core.cpu_isa` ("avx512bf16",
+"avx512", "avx2"); a build for another skips, saying so. Each set keeps the 16-bit operands' digests
+("half") apart from the float32 ones ("fp32"), so a change that legitimately moves only one family
+(e.g. the CPU's fp32 accumulation) refreshes only that part, for the build's ISA:
 
     PYTHONPATH=$PWD python3 tests/bits_golden.py --write fp32     # or: half, all
+
+The other ISAs' digests come from builds for them (on an AVX-512 machine), each put in place of the
+tree's _rlk_core for the --write:
+    cmake -S . -B build/isa-avx2 -G Ninja -DRLK_CUDA=OFF -DRLK_NATIVE=OFF -DCMAKE_CXX_FLAGS=-march=x86-64-v3
+    (and build/isa-avx512 with -march=skylake-avx512), ninja -C each, then per build:
+    cp build/isa-avx2/_rlk_core*.so . && PYTHONPATH=$PWD python3 tests/bits_golden.py --write fp32
 
 The calls: forward (logp, entropy) with bias, per-token temperature, ignored rows and padded vocab;
 the fast and the lean backward (every gradient); a vmapped call (the FFI's batch folding); a
@@ -204,17 +213,23 @@ def compute(dtypes=DTYPES, frontends=("jax", "torch")) -> dict[str, dict[str, st
     return out
 
 
+def isa() -> str:
+    import _rlk_core
+    return _rlk_core.cpu_isa
+
+
 def load() -> dict[str, dict[str, str]]:
-    return json.loads(GOLDEN.read_text())
+    """The golden digests of this build's CPU ISA ({} if none are recorded)."""
+    return json.loads(GOLDEN.read_text()).get(isa(), {})
 
 
 def write(parts) -> None:
-    golden = load() if GOLDEN.exists() else {}
+    golden = json.loads(GOLDEN.read_text()) if GOLDEN.exists() else {}
     fresh = compute([d for p in parts for d in PARTS[p]])
-    golden.update({p: dict(sorted(fresh[p].items())) for p in parts})
+    golden.setdefault(isa(), {}).update({p: dict(sorted(fresh[p].items())) for p in parts})
     GOLDEN.parent.mkdir(exist_ok=True)
     GOLDEN.write_text(json.dumps(golden, indent=1, sort_keys=True) + "\n")
-    print(f"wrote {', '.join(parts)} of {GOLDEN}")
+    print(f"wrote {', '.join(parts)} of {GOLDEN} for cpu_isa {isa()}")
 
 
 if __name__ == "__main__":

@@ -11,7 +11,11 @@ import bits_golden as bg
 @pytest.mark.parametrize("dtype", bg.DTYPES)
 @pytest.mark.parametrize("frontend", ["jax", "torch"])
 def test_bits_unchanged(frontend, dtype):
-    want = {k: v for k, v in bg.load()[bg.part_of(dtype)].items() if k.startswith(f"{dtype}/{frontend}.")}
+    golden = bg.load()
+    if not golden:
+        pytest.skip(f"no golden digests for this build's CPU ISA {bg.isa()!r} (tests/golden/bits.json has "
+                    "avx512bf16, avx512, avx2): record them on such a machine with tests/bits_golden.py --write all")
+    want = {k: v for k, v in golden[bg.part_of(dtype)].items() if k.startswith(f"{dtype}/{frontend}.")}
     got = bg.compute([dtype], [frontend])[bg.part_of(dtype)]
     assert want, f"no golden digests for {dtype}/{frontend}: run tests/bits_golden.py --write"
     changed = sorted(k for k in want if got.get(k) != want[k])

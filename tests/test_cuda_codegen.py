@@ -56,7 +56,7 @@ def test_sm90_forward_has_no_serialised_wgmma_and_no_spills(commands, tmp_path):
     argv, directory = commands["linear_logp_sm90.cu"]
     log = compile_to(argv, directory, tmp_path / "sm90.o", extra=["-Xptxas", "-v"])
     kernels = re.findall(r"Compiling entry function '(\w*sm90_forward_kernel\w*)'", log)
-    assert len(kernels) == 6, log[-2000:]  # bf16 / fp16 x the three epilogues (stats, kept logits, dlogit)
+    assert len(kernels) == 6, log[-2000:]  # bf16 / fp16 x the three epilogues (stats, saved logits, dlogit)
     assert "C7518" not in log and "serialized" not in log, log[-2000:]
     spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
     assert spills and all(s == ("0", "0") for s in spills), spills

@@ -150,7 +150,7 @@ def test_empty_input():
     assert logp.shape == (0,) and ent.shape == (0,)
     logp.sum().backward()
     assert w.grad is None or not w.grad.float().any()
-    # the op itself takes n = 0 (the kept buffer of 0 rows is empty, as lean's)
+    # the op itself takes n = 0 (the saved logits of 0 rows are empty, as lean's)
     dh, dw, db, dt = torch.ops.rlk.linear_logp_backward(
         torch.zeros((0, 16)), torch.ones((10, 16)), torch.ones(10), torch.zeros(0, dtype=torch.int32),
         torch.ones(0), torch.zeros(0), torch.zeros(0), None, torch.zeros(0), None, torch.zeros(0, dtype=torch.uint8),
@@ -302,7 +302,7 @@ def test_linear_logp_op_is_forward_stats_then_combine_bitwise():
 @pytest.mark.parametrize("device", ["cpu", GPU])
 @pytest.mark.parametrize("name", ["forward_stats", "combine", "linear_logp_backward", "linear_logp"])
 def test_opcheck(name, device):
-    """(On CUDA the fast backward overwrites its kept buffer: opcheck clones the arguments of every
+    """(On CUDA the fast backward overwrites its saved logits: opcheck clones the arguments of every
     check, so each gets its own.)"""
     op = getattr(torch.ops.rlk, name)
     for args in _op_samples(device)[name]:

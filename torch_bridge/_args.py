@@ -244,20 +244,26 @@ def unsupported(hidden: torch.Tensor) -> str | None:
     """Why the fused kernels cannot take tensors like `hidden` (the fallback reason), or None."""
     if hidden.dtype not in SUPPORTED_DTYPES:
         return common.dtype_fallback(dtype_name(hidden.dtype))
+    if hidden.device.type in _KERNEL_DEVICES:
+        return None
     return common.platform_fallback(PLATFORMS, "name", hidden.device.type)
+
+
+# The torch device types this build's kernels run on (PLATFORMS' names, supported).
+_KERNEL_DEVICES = frozenset(p["name"] for p in PLATFORMS.values() if p["supported"])
 
 
 def saved_logits_bytes(n: int, v_local: int, chunk: int, dtype: torch.dtype, device: torch.device) -> int:
     """Bytes of the fast backward's saved logits (uint8) for the kernels of `device`; 0 where the
-    kernels do not run (unsupported dtype or device: nothing is kept)."""
-    if dtype not in SUPPORTED_DTYPES or common.platform_fallback(PLATFORMS, "name", device.type) is not None:
+    kernels do not run (unsupported dtype or device: nothing is saved)."""
+    if dtype not in SUPPORTED_DTYPES or device.type not in _KERNEL_DEVICES:
         return 0
     return n * _saved_row_bytes(int(v_local), int(chunk), dtype_name(dtype), device.type)
 
 
 @torch.compiler.assume_constant_result
 def _saved_row_bytes(v_local: int, chunk: int, dtype: str, device: str) -> int:
-    """One row's kept bytes (rlk_common.saved_logits_bytes), a constant for torch.compile, which cannot
+    """One row's saved bytes (rlk_common.saved_logits_bytes), a constant for torch.compile, which cannot
     trace the compiled module's call; n may be symbolic."""
     return common.saved_logits_bytes(core, 1, v_local, chunk, dtype, device)
 

@@ -58,7 +58,7 @@ def linear_logp(hidden, weight, targets, *, bias=None, temperature=1.0, ignore_i
     backward: the gradient's strategy, "auto" (default), "fast" or "lean", with
     backward_memory_budget (bytes) the budget of auto: rlk_common.resolve_backward's docstring.
     fast's saved logits serves one backward (CUDA overwrites it): a second backward through the
-    same forward (retain_graph=True) raises; pass "lean" for that. Nothing is kept when no
+    same forward (retain_graph=True) raises; pass "lean" for that. Nothing is saved when no
     gradient is needed.
     keep_mask: a top-p nucleus, bool [..., V_local] (targets' shape, then this rank's vocab shard), or
     None: logp is renormalized over each row's kept ids (-inf for a target outside them, NaN for a row
