@@ -313,25 +313,26 @@ void outer_f32(const Outer<float>& o, int64_t m, int64_t cols, bool zero_c) {
 
 // T[j][r] = sum_k wf[j][k] ap[k][r] for j < kTileV, r < kPanel: per element, chains of kChain
 // steps (k in order) summed pairwise (Pairwise, tile by tile), the error of a BLAS's blocked sum or
-// below. `stack`: chain_levels(h) + 1 panels laid out as t (the levels, then the chain's own).
-// Every logit of the library is computed by this function (or, dp_bf16, by the pair version
-// below), or by target_dot's copy of its sequence.
+// below. A chain's GEMM writes straight into the level it goes to, level 0 being t itself (free
+// whenever an even chain starts, and at the end), level l > 0 at stack + (l - 1) kTileV ldt
+// (chain_levels(h) - 1 panels laid out as t). Every logit of the library is computed by this
+// function (or, dp_bf16, by the pair version below), or by target_dot's copy of its sequence.
 inline void logits_panel(const float* wf, const float* ap, int64_t h, float* t, int64_t ldt, float* stack) {
-  const int64_t chains = std::max<int64_t>(1, cdiv(h, kChain)), size = kTileV * ldt;  // h = 0: zeros
-  float* p = stack + chain_levels(h) * size;
-  auto tile_op = [&](float* dst, auto&& f) {
+  const int64_t chains = std::max<int64_t>(1, cdiv(h, kChain));  // h = 0: one chain of no steps, zeros
+  auto level = [&](int l) { return l == 0 ? t : stack + (l - 1) * kTileV * ldt; };
+  auto tile_op = [&](float* dst, const float* src, auto&& f) {
     for (int64_t j = 0; j < kTileV; ++j)
-      for (int64_t r = 0; r < kPanel; r += kLanes) f(dst + j * ldt + r, p + j * ldt + r);
+      for (int64_t r = 0; r < kPanel; r += kLanes) f(dst + j * ldt + r, src + j * ldt + r);
   };
   for (int64_t b = 0; b < chains; ++b) {
     const int64_t s0 = b * kChain;
-    outer_grid<kGroupV, kLogitVecs>(Outer<float>{wf + s0, 1, h, ap + s0 * kPanel, kPanel, std::min(kChain, h - s0),
-                                                 chains == 1 ? t : p, ldt},
+    const Pairwise plan(b, chains);
+    float* p = level(plan.carries);  // the chain's sum, then its partial sum
+    outer_grid<kGroupV, kLogitVecs>(Outer<float>{wf + s0, 1, h, ap + s0 * kPanel, kPanel, std::min(kChain, h - s0), p, ldt},
                                     kTileV, kPanel / kLanes, true);
-    if (chains == 1) return;
-    auto add = [&](int l) { tile_op(stack + l * size, [](float* x, float* y) { vstore(y, vload(x) + vload(y)); }); };
-    auto keep = [&](int l) { tile_op(stack + l * size, [](float* x, float* y) { vstore(x, vload(y)); }); };
-    if (Pairwise(b, chains).merge(add, keep)) tile_op(t, [](float* x, float* y) { vstore(x, vload(y)); });
+    auto add = [&](int l) { tile_op(p, level(l), [](float* y, const float* x) { vstore(y, vload(x) + vload(y)); }); };
+    if (plan.merge(add, [](int) {}) && p != t)
+      tile_op(t, p, [](float* y, const float* x) { vstore(y, vload(x)); });
   }
 }
 
@@ -388,7 +389,7 @@ void load_logits_weight(const Problem& p, const void* weight, int64_t v0, int64_
 WeightTile weight_tile(const Problem& p) {
   WeightTile w;
   w.wf.resize(size_t(kTileV * p.h));
-  if (!dp_bf16(p)) w.stack.resize(size_t((chain_levels(p.h) + 1) * kTileV * kBlock));
+  if (!dp_bf16(p)) w.stack.resize(size_t((chain_levels(p.h) - 1) * kTileV * kBlock));
   if (dp_bf16(p)) w.wb.resize(size_t(kTileV * pair_steps(p)));
   return w;
 }
