@@ -114,7 +114,7 @@ float target_dot(const Problem& p, const FwdArgs& a, int64_t r, int64_t j, float
   for (int64_t b = 0; b < chains; ++b) {
     float acc = 0.f;
     for (int64_t k = b * kChain; k < std::min(p.h, (b + 1) * kChain); ++k) acc = std::fma(hrow[k], wrow[k], acc);
-    if (Pairwise(b, chains).merge(acc, stack)) sum = acc;
+    if (Pairwise(b, chains).merge([&](int l) { acc = stack[l] + acc; }, [&](int l) { stack[l] = acc; })) sum = acc;
   }
   return sum;
 }

@@ -173,9 +173,6 @@ struct WeightTile {
 // (dp_bf16): a and b hold bf16 pairs and a step is one vdpbf16ps, both products of the pair.
 // A call's sum is one accumulator chain from zero, then stored (zero_c) or added to c: c + chain,
 // so a long reduction split over calls is a sum of short chains (a blocked sum, as a BLAS's).
-// Pairwise (chains > 1, logits_panel): the call's steps are chains of kChain steps, from chain
-// `chain` on, of one sum of `chains` chains, combined by Pairwise through `stack` (its levels laid
-// out as c, level l at stack + l level).
 template <class E>
 struct Outer {
   const E* a;
@@ -184,35 +181,17 @@ struct Outer {
   int64_t bs, steps;
   float* c;
   int64_t ci;
-  float* stack = nullptr;
-  int64_t level = 0, chain = 0, chains = 1;
-  Outer rows_from(int64_t i) const { return moved(i * ai, 0, i * ci); }
-  Outer cols_from(int64_t x) const { return moved(0, x, x); }
-  Outer steps_from(int64_t s0, int64_t count) const {
-    Outer o = moved(s0 * as, s0 * bs, 0);
-    o.steps = count;
-    return o;
-  }
-  Outer moved(int64_t da, int64_t db, int64_t dc) const {
-    Outer o = *this;
-    o.a += da, o.b += db, o.c += dc;
-    if (stack) o.stack += dc;
-    return o;
-  }
+  Outer rows_from(int64_t i) const { return {a + i * ai, as, ai, b, bs, steps, c + i * ci, ci}; }
+  Outer cols_from(int64_t x) const { return {a, as, ai, b + x, bs, steps, c + x, ci}; }
+  Outer steps_from(int64_t s0, int64_t count) const { return {a + s0 * as, as, ai, b + s0 * bs, bs, count, c, ci}; }
 };
 
-// gemm(o', zero_c') for o's steps in blocks of kStepBlock, in order, and a block's slice of the
-// operand every register block reads stays in L1: c + each block's chain (see Outer) or, pairwise
-// (o.chains > 1), the block's chains of kChain steps.
+// gemm(o', zero_c') for o's steps in blocks of kStepBlock, in order: c + each block's chain (see
+// Outer), and a block's slice of the operand every register block reads stays in L1.
 template <class E, class Gemm>
 void by_step_blocks(const Outer<E>& o, bool zero_c, Gemm&& gemm) {
-  int64_t s0 = 0;
-  do {
-    Outer<E> ob = o.steps_from(s0, std::min(kStepBlock, o.steps - s0));
-    if (o.chains > 1) ob.chain = o.chain + s0 / kChain;
-    gemm(ob, o.chains > 1 ? zero_c : zero_c && s0 == 0);  // pairwise: zero_c is for the last chain's store
-    s0 += kStepBlock;
-  } while (s0 < o.steps);
+  for (int64_t s0 = 0; s0 < o.steps; s0 += kStepBlock)
+    gemm(o.steps_from(s0, std::min(kStepBlock, o.steps - s0)), zero_c && s0 == 0);
 }
 
 // The pairwise sum of chains 0 .. chains - 1 (a binary counter): chain b's sum p first takes the
@@ -228,14 +207,16 @@ struct Pairwise {
     last = b + 1 >= chains;
     held = last ? uint64_t(b) >> (carries + 1) << (carries + 1) : 0;
   }
-  // One scalar sum's chain p with its stack (target_dot): true when p is the sum.
-  bool merge(float& p, float* stack) const {
-    for (int l = 0; l < carries; ++l) p = stack[l] + p;
+  // Chain p's merge with the stack (x_l: level l's element; logits_panel per tile, target_dot per
+  // scalar): true when p is the sum.
+  template <class P, class Level>
+  bool merge(P&& add, Level&& level) const {
+    for (int l = 0; l < carries; ++l) add(l);
     if (!last) {
-      stack[carries] = p;
+      level(carries);
       return false;
     }
-    for (uint64_t rest = held; rest; rest &= rest - 1) p = stack[__builtin_ctzll(rest)] + p;
+    for (uint64_t rest = held; rest; rest &= rest - 1) add(__builtin_ctzll(rest));
     return true;
   }
 };
@@ -251,67 +232,45 @@ inline fvec bcast(uint32_t x) { return _mm512_castsi512_ps(_mm512_set1_epi32(int
 inline fvec load_operand(const uint32_t* p) { return vload(reinterpret_cast<const float*>(p)); }
 #endif
 
-// The end of a register block's chains acc[i][v] (element i ci + v kLanes of c), Pairwise's steps
-// level by level (one branch a level, not one an element), then stored (zero_c) or added to c.
-template <int M, int NV, class E>
-inline __attribute__((always_inline)) void finish_block(const Outer<E>& o, const Pairwise& plan, fvec (&acc)[M][NV],
-                                                        bool zero_c) {
-  auto each = [&](auto&& f) {
-#pragma GCC unroll 16
-    for (int i = 0; i < M; ++i)
-#pragma GCC unroll 16
-      for (int v = 0; v < NV; ++v) f(acc[i][v], i * o.ci + v * kLanes);
-  };
-  for (int l = 0; l < plan.carries; ++l) each([&](fvec& p, int64_t off) { p = vload(o.stack + l * o.level + off) + p; });
-  if (!plan.last) return each([&](fvec& p, int64_t off) { vstore(o.stack + plan.carries * o.level + off, p); });
-  for (uint64_t rest = plan.held; rest; rest &= rest - 1) {
-    const int64_t l = __builtin_ctzll(rest);
-    each([&](fvec& p, int64_t off) { p = vload(o.stack + l * o.level + off) + p; });
-  }
-  if (zero_c) return each([&](fvec& p, int64_t off) { vstore(o.c + off, p); });
-  each([&](fvec& p, int64_t off) { vstore(o.c + off, vload(o.c + off) + p); });
-}
-
 // Rows i < M by NV vectors of columns, accumulators in registers: each element is one chain over
-// s in increasing order from 0, ended by finish. kPrefetch: b's rows are far apart (the
+// s in increasing order from 0, then stored (zero_c) or added to c. kPrefetch: b's rows are far apart (the
 // weight's own rows, read in place), too many streams for the hardware prefetcher, so each step
 // also asks for its row's next NV vectors, the next column block's operand.
 template <int M, int NV, class E, bool kPrefetch = false>
 inline __attribute__((always_inline)) void outer_block(const Outer<E>& o, bool zero_c) {
-  // The call's chains: one over all its steps, or (pairwise, o.chains > 1) chains of kChain steps,
-  // the first of them chain o.chain. (h = 0: one chain of no steps, zeros.)
-  const int64_t len = o.chains > 1 ? kChain : o.steps;
-  int64_t s0 = 0, chain = o.chain;
-  do {
-    fvec acc[M][NV];
+  fvec acc[M][NV];
 #pragma GCC unroll 16
-    for (int i = 0; i < M; ++i)
+  for (int i = 0; i < M; ++i)
 #pragma GCC unroll 16
-      for (int v = 0; v < NV; ++v) acc[i][v] = splat(0.f);
-    for (int64_t s = s0; s < std::min(o.steps, s0 + len); ++s) {
-      fvec b[NV];
+    for (int v = 0; v < NV; ++v) acc[i][v] = splat(0.f);
+  for (int64_t s = 0; s < o.steps; ++s) {
+    fvec b[NV];
 #pragma GCC unroll 16
-      for (int v = 0; v < NV; ++v) {
-        // b in a register: GCC would otherwise fold the load into each of the M FMAs that use it,
-        // M loads a vector instead of one, and the loads, not the FMAs, would set the pace.
-        fvec x = load_operand(o.b + s * o.bs + v * kLanes);
+    for (int v = 0; v < NV; ++v) {
+      // b in a register: GCC would otherwise fold the load into each of the M FMAs that use it,
+      // M loads a vector instead of one, and the loads, not the FMAs, would set the pace.
+      fvec x = load_operand(o.b + s * o.bs + v * kLanes);
 #if defined(__x86_64__)
-        __asm__("" : "+v"(x));
+      __asm__("" : "+v"(x));
 #endif
-        b[v] = x;
-      }
-      if constexpr (kPrefetch)
-        for (int v = 0; v < NV; ++v) __builtin_prefetch(o.b + s * o.bs + (NV + v) * kLanes);
-#pragma GCC unroll 16
-      for (int i = 0; i < M; ++i) {
-        const fvec x = bcast(o.a[s * o.as + i * o.ai]);
-#pragma GCC unroll 16
-        for (int v = 0; v < NV; ++v) acc[i][v] = mac(x, b[v], acc[i][v], E{});
-      }
+      b[v] = x;
     }
-    finish_block<M, NV>(o, Pairwise(chain, o.chains), acc, zero_c);
-    s0 += len, ++chain;
-  } while (s0 < o.steps);
+    if constexpr (kPrefetch)
+      for (int v = 0; v < NV; ++v) __builtin_prefetch(o.b + s * o.bs + (NV + v) * kLanes);
+#pragma GCC unroll 16
+    for (int i = 0; i < M; ++i) {
+      const fvec x = bcast(o.a[s * o.as + i * o.ai]);
+#pragma GCC unroll 16
+      for (int v = 0; v < NV; ++v) acc[i][v] = mac(x, b[v], acc[i][v], E{});
+    }
+  }
+#pragma GCC unroll 16
+  for (int i = 0; i < M; ++i)
+#pragma GCC unroll 16
+    for (int v = 0; v < NV; ++v) {
+      float* c = o.c + i * o.ci + v * kLanes;
+      vstore(c, zero_c ? acc[i][v] : vload(c) + acc[i][v]);
+    }
 }
 
 // Rows [0, m) in blocks of M (the last m % M rows by smaller blocks), NV vectors of columns.
@@ -352,15 +311,28 @@ void outer_f32(const Outer<float>& o, int64_t m, int64_t cols, bool zero_c) {
 }
 
 // T[j][r] = sum_k wf[j][k] ap[k][r] for j < kTileV, r < kPanel: per element, chains of kChain
-// steps (k in order) summed pairwise (Outer), the error of a BLAS's blocked sum or below; `stack`
-// holds chain_levels(h) tiles laid out as t. Every logit of the library is computed by this function
-// (or, dp_bf16, by the pair version below), or by target_dot's copy of its sequence.
+// steps (k in order) summed pairwise (Pairwise, tile by tile), the error of a BLAS's blocked sum or
+// below. A chain's GEMM writes straight into the level it goes to, level 0 being t itself (free
+// whenever an even chain starts, and at the end), level l > 0 at stack + (l - 1) kTileV ldt
+// (chain_levels(h) - 1 panels laid out as t). Every logit of the library is computed by this
+// function (or, dp_bf16, by the pair version below), or by target_dot's copy of its sequence.
 inline void logits_panel(const float* wf, const float* ap, int64_t h, float* t, int64_t ldt, float* stack) {
-  static_assert(kStepBlock % kChain == 0);
-  const Outer<float> o{wf, 1, h, ap, kPanel, h, t, ldt, stack, kTileV * ldt, 0, cdiv(h, kChain)};
-  by_step_blocks(o, true, [](const Outer<float>& ob, bool zero_c) {
-    outer_grid<kGroupV, kLogitVecs>(ob, kTileV, kPanel / kLanes, zero_c);
-  });
+  const int64_t chains = std::max<int64_t>(1, cdiv(h, kChain));  // h = 0: one chain of no steps, zeros
+  auto level = [&](int l) { return l == 0 ? t : stack + (l - 1) * kTileV * ldt; };
+  auto tile_op = [&](float* dst, const float* src, auto&& f) {
+    for (int64_t j = 0; j < kTileV; ++j)
+      for (int64_t r = 0; r < kPanel; r += kLanes) f(dst + j * ldt + r, src + j * ldt + r);
+  };
+  for (int64_t b = 0; b < chains; ++b) {
+    const int64_t s0 = b * kChain;
+    const Pairwise plan(b, chains);
+    float* p = level(plan.carries);  // the chain's sum, then its partial sum
+    outer_grid<kGroupV, kLogitVecs>(Outer<float>{wf + s0, 1, h, ap + s0 * kPanel, kPanel, std::min(kChain, h - s0), p, ldt},
+                                    kTileV, kPanel / kLanes, true);
+    auto add = [&](int l) { tile_op(p, level(l), [](float* y, const float* x) { vstore(y, vload(x) + vload(y)); }); };
+    if (plan.merge(add, [](int) {}) && p != t)
+      tile_op(t, p, [](float* y, const float* x) { vstore(y, vload(x)); });
+  }
 }
 
 #if defined(__AVX512BF16__)
@@ -416,7 +388,7 @@ void load_logits_weight(const Problem& p, const void* weight, int64_t v0, int64_
 WeightTile weight_tile(const Problem& p) {
   WeightTile w;
   w.wf.resize(size_t(kTileV * p.h));
-  if (!dp_bf16(p)) w.stack.resize(size_t(chain_levels(p.h) * kTileV * kBlock));
+  if (!dp_bf16(p)) w.stack.resize(size_t((chain_levels(p.h) - 1) * kTileV * kBlock));
   if (dp_bf16(p)) w.wb.resize(size_t(kTileV * pair_steps(p)));
   return w;
 }

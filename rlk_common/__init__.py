@@ -139,9 +139,10 @@ def valid_temperatures(temperature, xp):
     """A temperature array's rule (both frontends; xp: torch or jax.numpy): entries that are not
     finite and > 0 (negative, 0, +inf, NaN) become NaN, so their rows give NaN logp and entropy (as a
     zero always did), never softmax(-z / |T|) or -log V. Elementwise, no host sync (it runs under
-    jit, torch.compile and CUDA-graph capture). Its gradient reaches the valid entries alone. A
-    Python number is checked eagerly instead (scalar_temperature: ValueError)."""
-    return xp.where((temperature > 0) & (temperature < float("inf")), temperature, float("nan"))
+    jit, torch.compile and CUDA-graph capture). An addition (of 0, or of NaN), so the gradient
+    passes through unchanged: NaN for an invalid entry, as for a NaN row's other inputs. A Python
+    number is checked eagerly instead (scalar_temperature: ValueError)."""
+    return temperature + xp.where((temperature > 0) & (temperature < float("inf")), 0.0, float("nan"))
 
 
 def shard_chunk(canonical: int, v_local: int) -> int:

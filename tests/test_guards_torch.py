@@ -223,7 +223,7 @@ def test_invalid_temperature_entries_give_nan_rows(mode):
     good = tb.linear_logp(h, w, t, temperature=torch.tensor([1.0, 1, 1, 1, 1, 0.7]), mode=mode)
     assert torch.equal(lp[[0, 5]], good[[0, 5]])
     lp[[0, 5]].sum().backward()
-    assert torch.isfinite(T.grad[[0, 5]]).all() and (T.grad[1:5] == 0).all()
+    assert torch.isfinite(T.grad[[0, 5]]).all() and torch.isnan(T.grad[1:5]).all()  # NaN in, NaN out
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])

@@ -146,10 +146,12 @@ def check_keep_mask(keep_mask, ts: tuple, v_local: int, hidden) -> None:
 def parse(hidden, weight, targets, *, bias, temperature, ignore_index, vocab_start, real_vocab_size,
           tp_group, keep_mask=None) -> Args:
     """The checked, normalised arguments of one call. With tp_group, the ranks first agree on the
-    call's shapes (_dist.agree_across_ranks, eager calls): a rank whose arguments are refused here
+    call's shapes (_dist.agree_across_ranks; eager calls, not under torch.compile or CUDA-graph
+    capture, which a host sync would break): a rank whose arguments are refused here
     makes every rank refuse, before any collective."""
     group = _dist.check_group(tp_group)
-    agree = group is not None and not torch.compiler.is_compiling()
+    capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()  # no host sync there
+    agree = group is not None and not torch.compiler.is_compiling() and not capturing
     try:
         a = _parse(hidden, weight, targets, bias=bias, temperature=temperature, ignore_index=ignore_index,
                    vocab_start=vocab_start, real_vocab_size=real_vocab_size, tp_group=group, keep_mask=keep_mask)
