@@ -11,7 +11,7 @@ Routes, as vime runs them (with_entropy, entropy without gradient; temperature 0
 - recompute:   the same logits (vime's request always carries them) and the provider's context route
                (the fused kernels from hidden and weight; the logits checked on sampled rows, unused);
 - hidden_only: the vime-side change of docs/vime.md (Megatron returns hidden states,
-               torch_bridge.megatron.hidden_states_only): no logits at all, the fused kernels.
+               torch_bridge.integrations.megatron.hidden_states_only): no logits at all, the fused kernels.
 Each route runs in its own process (CPU peak memory is the process's high-water mark, ru_maxrss,
 above the RSS before the first stage; CUDA: torch.cuda.max_memory_allocated above the allocation
 before it), the inputs and the weight excluded.

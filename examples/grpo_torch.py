@@ -9,7 +9,7 @@ A transformers Qwen3ForCausalLM from a small config (random init, untied head, t
 above real_vocab_size) learns the bands task (grpo_common). Each step:
 - rollout: prompts prefilled into a KV cache, then one token per sequence per decode step, sampled
   at temperature T from the top-p nucleus; the sampled token scored on the decode step's hidden row
-  with torch_bridge.rollout.score_sampled(keep_mask=nucleus) (arm fused; optionally as a CUDA graph)
+  with torch_bridge.integrations.rollout.score_sampled(keep_mask=nucleus) (arm fused; optionally as a CUDA graph)
   or by the engine's native head (logits, then log_softmax over the nucleus: arms native and mixed);
 - trainer: one forward over prompt + completion, the completion's logp recomputed through
   torch_bridge.vime.provider with a vime-shaped request (context: hidden rows, LM head, vocab
@@ -43,7 +43,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import grpo_common as G
 
 from rlk_common.diagnostics import CaptureLayers, first_drift
-from torch_bridge import rollout, vime
+from torch_bridge.integrations import rollout, vime
 from torch_bridge.diagnostics import dlogp_stats
 
 ARMS = {  # arm: (rollout head, trainer head)

@@ -5,8 +5,8 @@ its hidden states: Megatron never builds the logits.
     python3 examples/megatron_cpu.py --tp 2     # TP = 2: two processes, vocab-parallel output layer
 
 Needs torch, megatron-core (pip install megatron-core) and this repository's _rlk_core built for the
-CPU (README). Each rank: the model's decoder under torch_bridge.megatron.hidden_states_only, then
-torch_bridge.megatron.linear_logp (the output weight, this rank's vocab shard, real_vocab_size),
+CPU (README). Each rank: the model's decoder under torch_bridge.integrations.megatron.hidden_states_only, then
+torch_bridge.integrations.megatron.linear_logp (the output weight, this rank's vocab shard, real_vocab_size),
 a policy-gradient-style loss and its backward into every parameter. It checks logp against
 Megatron's own path (the output layer's logits and megatron.core.tensor_parallel's
 vocab_parallel_cross_entropy) and prints "ok".
@@ -72,7 +72,7 @@ def tiny_gpt(tp: int):
 
 def step(tp: int) -> float:
     """One training step on this rank; returns max |logp - Megatron's| over the tokens."""
-    import torch_bridge.megatron as tbm
+    import torch_bridge.integrations.megatron as tbm
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
     model = tiny_gpt(tp)
     opt = torch.optim.SGD(model.parameters(), lr=1e-2)

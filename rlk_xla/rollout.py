@@ -1,4 +1,4 @@
-"""rlk_xla.rollout: the sampler's side of linear_logp (the twin of torch_bridge.rollout).
+"""rlk_xla.rollout: the sampler's side of linear_logp (the twin of torch_bridge.integrations.rollout).
 
 score_sampled gives the log-probability (and entropy) of the token a JAX sampler just drew, from
 the decode step's final hidden state, through the same compiled kernels and with the same

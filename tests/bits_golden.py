@@ -151,7 +151,7 @@ def torch_cases(dtype: str) -> dict[str, str]:
     import torch
 
     import torch_bridge
-    from torch_bridge import rollout
+    from torch_bridge.integrations import rollout
 
     dt = getattr(torch, dtype)
     out = {}

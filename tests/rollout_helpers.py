@@ -5,7 +5,7 @@ import numpy as np
 import torch
 
 import torch_bridge
-from torch_bridge import rollout
+from torch_bridge.integrations import rollout
 from torch_helpers import make_inputs
 
 LIVE = (1, 3, 8, 64, 256)

@@ -1,4 +1,4 @@
-"""torch_bridge.rollout.score_sampled: the rows of a decode batch padded to a capture size give
+"""torch_bridge.integrations.rollout.score_sampled: the rows of a decode batch padded to a capture size give
 bitwise the logp and entropy of the same rows of one large trainer call (linear_logp), for 1, 3, 8,
 64 and 256 live rows, bf16 and fp32, with and without temperature and entropy (TP 2 and 4 over gloo
 against the TP 1 trainer: test_torch_tp.py); padding rows (poisoned hidden, padding or real ids)
@@ -14,7 +14,7 @@ import torch
 import _rlk_core
 from rollout_helpers import CAPTURE, CASES, H, LIVE, REAL, V, assert_rows_equal, capture_size, decode_batch, score, \
     same_bits, trainer, trainer_inputs
-from torch_bridge import rollout
+from torch_bridge.integrations import rollout
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_padded_decode_rows_equal_trainer_rows(name):

@@ -3,7 +3,7 @@ a config (random weights, nothing downloaded).
 
 Rollout: prompts are prefilled into a KV cache, then one token per live sequence per step is
 sampled from the native logits (padded vocab masked, temperature T) and scored from that step's
-final hidden state with torch_bridge.rollout.score_sampled, the decode batch padded to a capture
+final hidden state with torch_bridge.integrations.rollout.score_sampled, the decode batch padded to a capture
 size; sequences finish at different steps and leave the batch (and the cache). On the GPU the
 scoring runs as one CUDA graph per capture size.
 Trainer: one forward over the full sequences, linear_logp with gradients over the generated tokens.
@@ -23,7 +23,7 @@ import torch
 
 import _rlk_core
 import torch_bridge
-from torch_bridge import rollout
+from torch_bridge.integrations import rollout
 from torch_bridge.diagnostics import dlogp_stats
 
 

@@ -103,10 +103,10 @@ def test_gpu_padded_decode_rows_equal_16384_trainer_rows(name):
 
 
 def test_torch_engine_and_jax_trainer_agree():
-    """An engine in torch (torch_bridge.rollout) and a trainer in JAX (rlk_xla.linear_logp) on the
+    """An engine in torch (torch_bridge.integrations.rollout) and a trainer in JAX (rlk_xla.linear_logp) on the
     same rows: the same compiled kernels, the same bits."""
     torch = pytest.importorskip("torch", reason="torch is not installed")
-    from torch_bridge import rollout as torch_rollout
+    from torch_bridge.integrations import rollout as torch_rollout
     d, kw, _, _ = make_inputs(3, 96, H, V, "bfloat16", bias=True, temp="array", real_vocab=REAL)
     ref = rlk_xla.linear_logp(d["hidden"], d["weight"], d["targets"], return_entropy=True, **kw)
 

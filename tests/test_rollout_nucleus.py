@@ -19,7 +19,7 @@ from rollout_helpers import REAL, V, capture_size, same_bits, trainer_inputs
 from subprocs import free_port
 
 import torch_bridge
-from torch_bridge import rollout
+from torch_bridge.integrations import rollout
 
 BIG = (2 ** 32 + 5, -(2 ** 32) - 100, 2 ** 31, -(2 ** 31) - 1, 2 ** 63 - 1, -(2 ** 63))
 

@@ -1,4 +1,4 @@
-"""torch_bridge.megatron with the real megatron-core GPTModel (tiny), gloo on the CPU at TP = 1 and
+"""torch_bridge.integrations.megatron with the real megatron-core GPTModel (tiny), gloo on the CPU at TP = 1 and
 2 (spawned processes): tied and untied output weights, a padded vocab, sequence parallelism.
 logp against megatron.core.tensor_parallel.vocab_parallel_cross_entropy over Megatron's own logits
 and against float64; gradients of every parameter (decoder, embedding, output layer) against those
@@ -67,7 +67,7 @@ def _grads(model):
 
 
 def _case(name, rank, device):
-    import torch_bridge.megatron as tbm
+    import torch_bridge.integrations.megatron as tbm
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
     tp, tied, real = CASES[name]
     model = _model(tp, tied).to(device)
@@ -111,7 +111,7 @@ def _sequence_parallel(model, hidden, labels, g, rank, tp):
     """The output layer under sequence parallelism fed this rank's rows of the sequence, against
     the same layer fed every row: (logp equal, max |dh| difference on this rank's rows, max |dW|
     difference). (The decoder runs without it: the local spec's torch norm refuses it.)"""
-    import torch_bridge.megatron as tbm
+    import torch_bridge.integrations.megatron as tbm
     layer, (weight, _) = model.output_layer, tbm.output_weight(model)
     rows = slice(rank * (S // tp), (rank + 1) * (S // tp))
     full, mine = hidden.clone().requires_grad_(), hidden[rows].clone().requires_grad_()
@@ -197,6 +197,6 @@ def _check(ranks, name):
 
 def test_megatron_needs_the_last_stage():
     import types
-    import torch_bridge.megatron as tbm
+    import torch_bridge.integrations.megatron as tbm
     with pytest.raises(ValueError, match="last pipeline stage"):
         tbm.linear_logp(types.SimpleNamespace(post_process=False), None, None)

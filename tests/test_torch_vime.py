@@ -363,3 +363,21 @@ def test_logits_route_row_blocks_give_the_same_bits(monkeypatch, masked):
     for a, b in zip(runs[0][2], runs[1][2]):
         assert torch.equal(a, b)
     _check(*runs[1][:3], _oracle(*x, keep=keep, real=290), "float32", "row blocks")
+
+
+def test_the_moved_modules_keep_their_public_paths():
+    """vime configs name torch_bridge.vime.provider: the old path is the very same module, without a
+    warning; torch_bridge.megatron / torch_bridge.rollout still work for one release, with a
+    DeprecationWarning naming the new path."""
+    import importlib
+    import warnings
+
+    import torch_bridge
+    from torch_bridge.integrations import megatron as new_megatron, rollout as new_rollout, vime as new_vime
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert importlib.import_module("torch_bridge.vime") is new_vime is torch_bridge.vime
+    for name, new in (("megatron", new_megatron), ("rollout", new_rollout)):
+        with pytest.warns(DeprecationWarning, match=f"torch_bridge.integrations.{name}"):
+            assert getattr(torch_bridge, name) is new

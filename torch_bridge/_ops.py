@@ -20,7 +20,7 @@ softmax over the kept ids (on every shard) and leaves the entropy unmasked; the 
 uint8 and keep no [n, V] float buffer for it (docs/design.md §12). Without one, the ops carry an empty
 [0] tensor for its outputs (keep_sum, log_s_keep).
 The forward and combine calls also come as plain functions writing into caller-owned buffers
-(forward_into, combine_to): the rollout path (torch_bridge.rollout) allocates nothing.
+(forward_into, combine_to): the rollout path (torch_bridge.integrations.rollout) allocates nothing.
 
 Every op passes `temperature` [n] f32 to the kernels, which form 1 / T themselves with a correctly
 rounded reciprocal: the JAX frontend does the same, so both give the same bits (XLA's and torch's
