@@ -50,7 +50,7 @@ for step in "$@"; do
     trace)
       timeout ${TRACE_TIMEOUT:-300} python3 benchmarks/trace_torch.py ${TRACE_ARGS:-} 2>&1 | grep -v Warning | tee -a "$LOG" ;;
     jaxtest)
-      timeout ${TEST_TIMEOUT:-400} python3 -m pytest -q -m gpu tests/test_gpu_jax.py -p no:cacheprovider 2>&1 | tail -n 40 | tee -a "$LOG"
+      timeout ${TEST_TIMEOUT:-400} python3 -m pytest -q -m gpu tests/jax_tests/test_jax_gpu.py -p no:cacheprovider 2>&1 | tail -n 40 | tee -a "$LOG"
       ;;
     tp)
       timeout ${TP_TIMEOUT:-240} python3 benchmarks/tp_jax.py --out /tmp/rlk-out 2>&1 | tee -a "$LOG"

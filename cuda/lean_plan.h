@@ -1,6 +1,6 @@
 // The lean backward's memory plan (linear_logp_bwd.cu runs it): the workspace's layout, the
 // vocab pieces and the dH row sweeps. Host C++ only, no CUDA headers: it builds without nvcc too,
-// and tests/test_lean_plan.py checks it on any machine. Everything here depends on the shapes, the
+// and tests/kernel_tests/test_lean_plan.py checks it on any machine. Everything here depends on the shapes, the
 // dtypes and the path (fused or gemm) only.
 //
 // Memory: all that lean adds to the caller's buffers is its workspace, which lean_layout fits in

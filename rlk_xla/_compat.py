@@ -7,7 +7,7 @@ from jax import lax
 try:  # jax >= 0.7
     shard_map = jax.shard_map
 except AttributeError:  # pragma: no cover - older jax
-    from jax.experimental.shard_map import shard_map  # type: ignore
+    from jax.experimental.shard_map import shard_map  # type: ignore  # noqa: F401 (the module-level name)
 
 
 def vma(x) -> frozenset:

@@ -1,5 +1,5 @@
 """Bit-equality harness: a fixed set of calls through both frontends on the CPU, each call's outputs
-reduced to a sha256 digest and compared with tests/golden/bits.json (tests/test_bits_golden.py).
+reduced to a sha256 digest and compared with tests/golden/bits.json (tests/kernel_tests/test_bits_golden.py).
 
 A refactor that must not change a single output bit (issue 46) runs it before and after. The CPU
 kernels' GEMM blocks follow the instruction set they are built for (-march=native), and their bits

@@ -1,4 +1,4 @@
-"""The rollout tests' shared pieces (test_rollout.py, test_torch_tp.py): a trainer batch, a decode
+"""The rollout tests' shared pieces (test_rollout_torch.py, test_torch_tp.py): a trainer batch, a decode
 batch made of some of its rows padded to a capture size, score_sampled on it and the trainer's
 linear_logp on the whole batch."""
 import numpy as np

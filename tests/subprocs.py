@@ -29,6 +29,7 @@ def cpu_env(**extra) -> dict:
         if spec is not None and spec.origin:
             origin = pathlib.Path(spec.origin)
             dirs.append(str(origin.parent.parent if origin.name == "__init__.py" else origin.parent))
+    dirs.append(str(pathlib.Path(__file__).resolve().parent))  # tests/: the shared helpers, for scripts run by path
     paths = dirs + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
     return env

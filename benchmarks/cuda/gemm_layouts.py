@@ -27,7 +27,7 @@ for name in args.shapes.split(","):
     for lib in ("cublas", "cublaslt"):
         torch.backends.cuda.preferred_blas_library(lib)
         t = [do_bench(f, warmup=10, rep=100, return_mode="median")
-             for f in (lambda: H @ W.t(), lambda: D @ W, lambda: D.t() @ H)]
+             for f in (lambda: H @ W.t(), lambda: D @ W, lambda: D.t() @ H)]  # noqa: F821 (ruff: the del below)
         print(f"| {name} | {lib} | {t[0]:.3f} | {t[1]:.3f} | {t[2]:.3f} | {(t[1] + t[2]) / (2 * t[0]):.3f} |", flush=True)
     del H, W, D
     torch.cuda.empty_cache()

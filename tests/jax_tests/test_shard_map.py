@@ -13,7 +13,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 import rlk_xla
 import oracle
-from helpers import make_inputs
+from jax_helpers import make_inputs
 from rlk_xla._compat import shard_map
 
 pytestmark = pytest.mark.skipif(len(jax.devices("cpu")) < 8, reason="needs 8 CPU devices (tests/conftest.py)")

@@ -182,7 +182,7 @@ def test_thread_start_failure_is_an_error_not_terminate():
     """A worker thread that cannot start (an address-space limit too small for its stack) raises a
     Python exception; the process lives on (before: `terminate called without an active
     exception`)."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     script = textwrap.dedent("""
         import resource
         import jax.numpy as jnp

@@ -12,7 +12,7 @@ pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip
 
 from subprocs import cpu_env
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def test_megatron_cpu_example_runs():

@@ -6,8 +6,8 @@
   or found (the gather in hidden's autograd history); a signal that contradicts the history refused;
 - the nucleus as ids (metadata["top_p_sparse_token_ids"], unscaled logits, the temperature), both
   routes, against float64 and vime's native path.
-Helpers shared with tests/test_torch_megatron.py (megatron-core's CPU blockers) and
-tests/test_vime_seams.py (the float64 oracle and its gradient tolerance)."""
+Helpers shared with tests/integration_tests/test_megatron.py (megatron-core's CPU blockers) and
+tests/integration_tests/test_vime_seams.py (the float64 oracle and its gradient tolerance)."""
 import pytest
 
 pytest.importorskip("torch", reason="torch is not installed: these tests need it")

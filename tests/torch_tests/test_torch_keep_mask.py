@@ -4,7 +4,7 @@ at odd shapes for bf16 and fp32 with the lean and the fast backward; the edge ca
 its nucleus, an empty nucleus, NaN inputs); bits that do not depend on the row split or on the
 mask for what the mask must not change; torch.compile(fullgraph=True). The same on CUDA (`-m gpu`),
 where a mask runs the portable forward kernel also on Hopper and lean's cuBLAS path.
-TP 2 and 4: test_torch_tp.py; the vime provider: test_torch_vime.py."""
+TP 2 and 4: test_torch_tp.py; the vime provider: test_vime.py."""
 import pytest
 
 pytest.importorskip("torch", reason="torch is not installed: these tests need it")

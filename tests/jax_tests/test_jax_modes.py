@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import rlk_xla
-from helpers import make_inputs
+from jax_helpers import make_inputs
 
 
 @pytest.fixture(autouse=True)

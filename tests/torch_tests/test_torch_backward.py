@@ -195,7 +195,7 @@ def test_kept_buffer_holds_the_scaled_logits(dtype):
         assert (err[live] <= 2.0 ** -10 + 1e-6 * mag[:, :290][live]).all()
         assert torch.equal(mom[:, :, :3].float(), stats) or torch.allclose(mom[:, :, :2].float(), stats[:, :, :2])
         assert (mom[:, :, 4:] == 0).all()  # the nucleus's sums: written, 0 without one
-        zm_c = z[:, :290].reshape(45, -1)  # second moments: sum exp(z - m_c) (z - m_c)^2 per chunk
+        # second moments: sum exp(z - m_c) (z - m_c)^2 per chunk
         for c in range(4):
             zc = z[:, 75 * c:min(75 * (c + 1), 290)]
             u = zc - mom[:, c, 0:1]

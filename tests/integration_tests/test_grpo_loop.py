@@ -15,7 +15,7 @@ pytest.importorskip("transformers", reason="transformers is not installed: the l
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "examples"))
 import grpo_common as G
 
 from rlk_common.diagnostics import CaptureLayers, first_drift

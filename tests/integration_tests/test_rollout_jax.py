@@ -18,7 +18,7 @@ import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 
 import rlk_xla
-from helpers import make_inputs
+from jax_helpers import make_inputs
 from rlk_xla import rollout
 from rlk_xla._compat import shard_map
 from rlk_xla.diagnostics import dlogp_stats

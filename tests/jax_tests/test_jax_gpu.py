@@ -10,7 +10,7 @@ import numpy as np
 
 import rlk_xla
 import oracle
-from helpers import make_inputs, value_and_grads
+from jax_helpers import make_inputs, value_and_grads
 
 
 def _gpus():
@@ -85,16 +85,20 @@ def test_cuda_bitwise_repeat_and_batch_invariance(backward):
     np.testing.assert_array_equal(np.asarray(s[1]), np.asarray(a[1])[rows])
 
 
-@pytest.mark.parametrize("backward", ["fast", pytest.param("lean", marks=pytest.mark.xfail(
-    strict=False, reason="lean's dH is not promised batch invariant (docs/design.md §4)"))])
+@pytest.mark.parametrize("backward", ["fast", "lean"])
 def test_cuda_dh_batch_invariance(backward):
     """fast's dH algorithm is cuBLASLt's pick for a fixed row count, or one checked to give its bits
-    (cuda/blas.h, batch_rows)."""
+    (cuda/blas.h, batch_rows). lean's dH is not promised batch invariant (docs/design.md §4): its
+    rows agree to bf16's rounding."""
     d, kw, f, gf = _repeat_setup(backward)
     args = (d["hidden"], d["weight"], d["targets"], kw["bias"], kw["temperature"])
     rows = slice(37, 160)
     sub = (d["hidden"][rows], d["weight"], d["targets"][rows], kw["bias"], kw["temperature"][rows])
-    np.testing.assert_array_equal(np.asarray(gf(*sub)[0], np.float32), np.asarray(gf(*args)[0], np.float32)[rows])
+    part, whole = np.asarray(gf(*sub)[0], np.float32), np.asarray(gf(*args)[0], np.float32)[rows]
+    if backward == "fast":
+        np.testing.assert_array_equal(part, whole)
+    else:
+        np.testing.assert_allclose(part, whole, rtol=2 ** -7, atol=2 ** -10 * float(np.abs(whole).max()))
 
 
 def test_cuda_fast_dh_batch_invariance_across_row_counts():

@@ -233,7 +233,7 @@ def test_python_chunk_rule_equals_the_compiled_one():
 
 def test_import_does_not_import_jax():
     code = "import sys, torch_bridge; assert 'jax' not in sys.modules, 'jax imported'; print('ok')"
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     r = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and "ok" in r.stdout, r.stderr
 

@@ -13,7 +13,7 @@ import rlk_xla
 import oracle
 from rlk_xla._args import saved_logits_bytes
 from rlk_xla._core import core
-from helpers import make_inputs, value_and_grads
+from jax_helpers import make_inputs, value_and_grads
 from oracle import case_grid
 
 

@@ -7,7 +7,7 @@ import pytest
 
 pytest.importorskip("jax", reason="jax is not installed: the CLI needs it")
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def run(*args):

@@ -1,5 +1,5 @@
 """rlk_common's rules that both frontends call (their behaviour through each frontend is
-test_modes.py / test_torch_modes.py, test_rollout*.py, test_shard_map.py)."""
+test_jax_modes.py / test_torch_modes.py, test_rollout*.py, test_shard_map.py)."""
 import pytest
 
 import rlk_common as common

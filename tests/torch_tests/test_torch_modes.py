@@ -1,4 +1,4 @@
-"""Modes (off / auto / strict / audit) and route counters of torch_bridge.linear_logp (the vime provider's modes: test_torch_vime.py)."""
+"""Modes (off / auto / strict / audit) and route counters of torch_bridge.linear_logp (the vime provider's modes: test_vime.py)."""
 import pytest
 
 pytest.importorskip("torch", reason="torch is not installed: these tests need it")

@@ -7,7 +7,7 @@ import numpy as np
 
 import rlk_xla
 import oracle
-from helpers import DTYPES, make_inputs, value_and_grads
+from jax_helpers import DTYPES, make_inputs, value_and_grads
 
 SEEDS = range(300)
 
