@@ -120,10 +120,16 @@ def assert_values(x, ref, what):
     assert bad.size == 0, f"{what}: {bad.shape[0]} elements off, first {bad[0]}: {x[tuple(bad[0])]} vs {ref[tuple(bad[0])]}"
 
 
-def assert_grad(x, ref, dtype, what, ref_abs=None):
+def assert_grad(x, ref, dtype, what, ref_abs=None, kept_err=None):
+    """x against the float64 gradient ref to the dtype's GRAD_RTOL, plus the accumulation bound
+    ref_abs (ACCUM_RTOL units) and, for the fast backward, the norm of the kept-logits error bound
+    kept_err (torch_helpers.kept_logits_error: |fast - ref| <= |lean-like error| + bound
+    elementwise, so the norms add), each relative to the gradient's norm."""
     err = rel_err(x, ref)
     den = max(np.linalg.norm(ref), 1e-300)
     tol = GRAD_RTOL[str(dtype)] + (ACCUM_RTOL * np.linalg.norm(ref_abs) / den if ref_abs is not None else 0.0)
+    if kept_err is not None:
+        tol += np.linalg.norm(kept_err) / den
     assert np.all(np.isfinite(f64(x))), f"{what}: non-finite gradient"
     assert err <= tol, f"{what}: relative error {err:.3g} > {tol:.3g}"
 

@@ -123,20 +123,6 @@ def kept_logits_error(h, w, t, *, dtype, bias=None, temperature=1.0, ignore_inde
                 dtemp=((D * az * (1 + u) + np.abs(dz) * az * u) / temp).sum(axis=1))
 
 
-def assert_grad(x, ref, dtype, what, ref_abs, kept_err=None):
-    """oracle.assert_grad's tolerance (the lean backward's), plus, for the fast backward, the norm
-    of the kept-logits bound relative to the gradient's (|fast - ref| <= |lean-like error| + bound
-    elementwise, so the norms add)."""
-    import oracle
-    den = max(np.linalg.norm(ref), 1e-300)
-    tol = oracle.GRAD_RTOL[str(dtype)] + oracle.ACCUM_RTOL * np.linalg.norm(ref_abs) / den
-    if kept_err is not None:
-        tol += np.linalg.norm(kept_err) / den
-    err = oracle.rel_err(x, ref)
-    assert np.all(np.isfinite(oracle.f64(x))), f"{what}: non-finite gradient"
-    assert err <= tol, f"{what}: relative error {err:.3g} > {tol:.3g}"
-
-
 def oracle_of(d, kw, g, e, real_vocab=None, with_entropy=True, kept_dtype=None):
     """oracle.linear_logp of make_inputs' values; with kept_dtype (backward="fast") also the
     kept-logits error bounds, as ref["kept"] (else None)."""
@@ -153,11 +139,13 @@ def oracle_of(d, kw, g, e, real_vocab=None, with_entropy=True, kept_dtype=None):
 
 def assert_grads(grads, ref, dtype, prefix=""):
     """Every gradient in `grads` (hidden, weight[, bias][, temperature]) against oracle_of's ref."""
+    import oracle
     kept = ref["kept"] or {}
     for name, key, dt in (("hidden", "dh", dtype), ("weight", "dw", dtype), ("bias", "db", dtype),
                           ("temperature", "dtemp", "float32")):
         if name in grads:
-            assert_grad(to_np(grads[name]), ref[key], dt, f"{prefix}d {name}", ref[key + "_abs"], kept.get(key))
+            oracle.assert_grad(to_np(grads[name]), ref[key], dt, f"{prefix}d {name}", ref[key + "_abs"],
+                               kept.get(key))
 
 
 def check_against_oracle(fn, n, h, v, dtype, o, seed=0, device="cpu", backward=None):

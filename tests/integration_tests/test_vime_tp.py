@@ -91,7 +91,7 @@ def _worker(rank, world, port, out_dir):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         from megatron.core import parallel_state
-        from test_torch_megatron import _cpu_megatron
+        from test_megatron import _cpu_megatron
         _cpu_megatron()
         parallel_state.initialize_model_parallel(world, 1)
         group = parallel_state.get_tensor_model_parallel_group()
