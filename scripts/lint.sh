@@ -4,11 +4,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RUFF_VERSION=0.17.6
-if ! ruff --version 2>/dev/null | grep -qx "ruff $RUFF_VERSION"; then
+if ! python3 -m ruff --version 2>/dev/null | grep -qx "ruff $RUFF_VERSION"; then
   python3 -m pip install -q "ruff==$RUFF_VERSION"
 fi
 # Syntax errors and pyflakes (undefined names, unused imports and variables).
-ruff check --select E9,F .
+python3 -m ruff check --select E9,F .
 
 fail=0
 # The repository stands alone: no tracked file points at the files it grew out of (a sibling
