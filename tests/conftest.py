@@ -1,5 +1,15 @@
+import importlib.util
 import os
+import pathlib
 import tempfile
+
+# scripts/test.sh --wheel: the suite tests the installed wheel, never this source tree.
+if os.environ.get("RLK_TEST_INSTALLED") == "1":
+    _root = pathlib.Path(__file__).resolve().parent.parent
+    for _name in ("rlk_xla", "torch_bridge", "rlk_common", "_rlk_core"):
+        _spec = importlib.util.find_spec(_name)
+        assert _spec is not None and not pathlib.Path(_spec.origin).resolve().is_relative_to(_root), (
+            f"RLK_TEST_INSTALLED=1 but {_name} is imported from the source tree ({_spec and _spec.origin})")
 
 # Eight CPU devices for the shard_map tests; must happen before jax creates its backends.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
