@@ -5,10 +5,12 @@
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
 
 #include <optional>
 #include <stdexcept>
 
+#include "dispatch.h"
 #include "lean_plan.h"
 #include "rlk/linear_logp.h"
 
@@ -307,6 +309,10 @@ NB_MODULE(_rlk_core, m) {
   m.attr("MAX_INVARIANT_TP") = rlk::kMaxInvariantTp;
   m.attr("has_xla_ffi") = bool(RLK_HAVE_XLA_FFI);
   m.attr("has_cuda") = bool(RLK_HAVE_CUDA);
+  // The CPU kernels' ISA level in use and the levels this CPU runs (cpu/dispatch.h). Read here, so
+  // that a bad RLK_CPU_ISA fails the import with its message.
+  m.attr("cpu_isa") = rlk::cpu::isa();
+  m.attr("cpu_isas") = rlk::cpu::isas_here();
 
   // The operand dtypes, named as jax and torch name them; the codes are rlk::DType's.
   nb::enum_<rlk::DType>(m, "DType", "Operand dtype of a problem shape (rlk::DType).")

@@ -8,9 +8,12 @@
 # The wheel has the CPU kernels, built for the x86-64 baseline with run-time dispatch to the best
 # ISA level of the CPU it runs on (cpu/dispatch.cc), and, with nvcc >= 12 on PATH, the CUDA kernels
 # for sm_80, sm_90 and sm_90a with the CUDA runtime linked statically (cuBLASLt is found at run time:
-# cuda/blas.cc). RLK_CUDA=OFF builds a CPU-only wheel. libstdc++ and libgcc are linked statically,
-# so the wheel needs only glibc: its policy is the oldest manylinux whose glibc has every symbol
-# version the module needs (auditwheel picks it and checks it; this script prints them).
+# cuda/blas.cc). RLK_CUDA=OFF builds a CPU-only wheel. libstdc++ is linked statically, so the
+# wheel needs only glibc and libgcc_s (every manylinux system has both): its policy is the oldest
+# manylinux whose glibc has every symbol version the module needs (auditwheel picks it and checks
+# it; this script prints the newest). Built with glibc 2.36 (Debian 12), that is manylinux_2_34:
+# since glibc 2.34, pthread_create, dlopen and the like carry the version GLIBC_2.34, and the
+# CUDA runtime and std::thread need them; an older floor needs an older build machine.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ "$#" -gt 0 ] || set -- "${PYTHON:-python3}"
@@ -35,8 +38,8 @@ for py in "$@"; do
   # wheel tag, apart from the development builds (no -march=native here).
   if ! RLK_NATIVE=OFF "$py" -m pip wheel -v --no-deps -w "$raw" --config-settings=build-dir="build/wheel-{wheel_tag}" . \
       >"$raw/build.log" 2>&1 </dev/null; then
-    tail -n 60 "$raw/build.log" >&2
-    echo "build_wheel: the build failed (log above)" >&2
+    { grep -m 20 -E 'FAILED|error' "$raw/build.log"; echo ...; tail -n 30 "$raw/build.log"; } >&2
+    echo "build_wheel: the build failed: its first errors and its end are above; the whole log: $raw/build.log" >&2
     exit 1
   fi
   grep -E '^ *(\[[0-9]+/[0-9]+\] |-- rlk:|rlk:)' "$raw/build.log" | grep -v '^ *\[.*Building' | sed 's/^ */  /' || true
@@ -47,7 +50,7 @@ for py in "$@"; do
   # Every glibc symbol version the module needs, and the newest: the floor of the policy.
   glibc=$(objdump -T "$lib" | grep -o 'GLIBC_[0-9.]*' | sort -u -V | tail -n 1)
   echo "build_wheel: _rlk_core needs $(objdump -p "$lib" | awk '/NEEDED/ {printf "%s ", $2}')(DT_NEEDED); newest symbol version: $glibc"
-  if objdump -p "$lib" | grep -E 'NEEDED +lib(stdc\+\+|gcc_s|cudart|cublas)' >&2; then
+  if objdump -p "$lib" | grep -E 'NEEDED +lib(stdc\+\+|cudart|cublas)' >&2; then
     echo "build_wheel: the module links a library it must not need at load time (above)" >&2
     exit 1
   fi
