@@ -48,8 +48,8 @@ for py in "$@"; do
   "$py" -m zipfile -e "$whl" "$so"
   lib=$(echo "$so"/_rlk_core*.so)
   # Every glibc symbol version the module needs, and the newest: the floor of the policy.
-  glibc=$(objdump -T "$lib" | grep -o 'GLIBC_[0-9.]*' | sort -u -V | tail -n 1)
-  echo "build_wheel: _rlk_core needs $(objdump -p "$lib" | awk '/NEEDED/ {printf "%s ", $2}')(DT_NEEDED); newest symbol version: $glibc"
+  newest=$(for v in GLIBC GCC; do objdump -T "$lib" | grep -o "${v}_[0-9.]*" | sort -u -V | tail -n 1; done | paste -sd' ' -)
+  echo "build_wheel: _rlk_core needs $(objdump -p "$lib" | awk '/NEEDED/ {printf "%s ", $2}')(DT_NEEDED); newest symbol versions: $newest"
   if objdump -p "$lib" | grep -E 'NEEDED +lib(stdc\+\+|cudart|cublas)' >&2; then
     echo "build_wheel: the module links a library it must not need at load time (above)" >&2
     exit 1
