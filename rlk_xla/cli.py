@@ -65,7 +65,7 @@ def check(device_name: str = "default") -> int:
     """Each route against float64 on a few odd shapes, plus determinism and batch invariance."""
     dev = device(device_name)
     print(f"rlk_xla check: jax {jax.__version__}, device {dev.device_kind} ({dev.platform}); compiled: "
-          f"xla_ffi={core.has_xla_ffi} cuda={core.has_cuda}; FFI targets for {', '.join(registered_platforms())}")
+          f"xla_ffi={core.has_xla_ffi} cuda={core.has_cuda} cpu_isa={core.cpu_isa}; FFI targets for {', '.join(registered_platforms())}")
     rows, ok = [], True
     shapes = [(1, 64, 1000), (127, 96, 1000), (1000, 256, 4104)]
     cases = [(s, dt, mode) for s in shapes for dt in ("bfloat16", "float32") for mode in ("strict", "off")]
