@@ -21,8 +21,10 @@
 //                               over all tiles in vocab order; the blocks share the weight's reads.
 //             pass 2 (dW, db):  unit = vocab tile, all row blocks in row order.
 // The fp32 gradient GEMMs take several tiles (dH: kDhTiles vocab tiles, dW: kDwBlocks row blocks)
-// per call, so the accumulators stay in registers over longer chains; a chain's order, and so
-// every bit, is the one a call per tile gives.
+// per call, so the accumulators stay in registers over longer chains.
+// Every GEMM sums in short chains (Outer): the logits' chains of kChain steps along h summed
+// pairwise (their error flat in h, a BLAS's or below), the gradients' chains (one a call, along
+// vocab rows for dH, rows for dW and db) added in order.
 // The lean backward recomputes logits in both passes (four GEMM-equivalents in all), which keeps
 // the threads' outputs disjoint with no fp32 [v, h] or [n, v] scratch; the fast one reads them
 // from the forward's kept logits instead (two GEMM-equivalents).
@@ -67,12 +69,13 @@ constexpr int kDwK = 6;
 constexpr int kDwVecs = 2;
 #endif
 static_assert(kPanel % (kLogitVecs * kLanes) == 0 && kTileV % (kDwVecs * kLanes) == 0);
-constexpr int64_t kDwBlocks = 4;  // row blocks per dW GEMM: 256 steps per accumulator load (128 pairs)
-constexpr int64_t kDhTiles = 4;   // vocab tiles per fp32 dH GEMM: up to 256 steps per accumulator load
+constexpr int64_t kDwBlocks = 4;  // row blocks per dW GEMM: chains of 256 steps (128 pairs)
+constexpr int64_t kDhTiles = 4;   // vocab tiles per fp32 dH GEMM: up to 256 steps, chains of kStepBlock
 constexpr int64_t kDhBlocks = 2;  // row blocks per pass-1 unit (given enough blocks): one weight read serves them
-// Steps per block of the fp32 logits and dH GEMMs (by_step_blocks): the hidden panel's and the
-// dlogit rows' slices stay in L1.
+// Steps per block of the fp32 dH GEMM (by_step_blocks): the dlogit rows' slice stays in L1.
 constexpr int64_t kStepBlock = 128;
+// Steps per chain of the fp32 logits (logits_panel): H in chains of kChain steps, summed pairwise.
+constexpr int64_t kChain = 128;
 
 inline int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
@@ -147,6 +150,13 @@ void load_weight_pairs(const Problem& p, const void* weight, int64_t v0, int64_t
   std::fill(wb + rows * hk, wb + kTileV * hk, 0u);
 }
 
+// Levels of the logits' pairwise stack (logits_panel) for h steps: the bits of its chains' count.
+int64_t chain_levels(int64_t steps) {
+  int64_t l = 1;
+  while (cdiv(steps, kChain) >> l) ++l;
+  return l;
+}
+
 // A weight tile as the logits read it: fp32 rows [kTileV][h] (f32) or, under dp_bf16, bf16 pairs
 // [kTileV][h/2] (pairs). A whole tile whose weight already has that layout (fp32; bf16 of even h)
 // is read in place: its rows are streamed once, each row in order. Other tiles are converted into
@@ -154,6 +164,7 @@ void load_weight_pairs(const Problem& p, const void* weight, int64_t v0, int64_t
 struct WeightTile {
   std::vector<float> wf;
   std::vector<uint32_t> wb;
+  std::vector<float> stack;  // the fp32 logits' pairwise stack (logits_panel)
   const float* f32 = nullptr;
   const uint32_t* pairs = nullptr;
 };
@@ -161,6 +172,11 @@ struct WeightTile {
 // The GEMMs' operands: c[i][x] (+)= sum_{s < steps} a[s as + i ai] b[s bs + x] for rows i and
 // columns x of c (row i at c + i ci, columns contiguous). E = float: one FMA a step; E = uint32_t
 // (dp_bf16): a and b hold bf16 pairs and a step is one vdpbf16ps, both products of the pair.
+// A call's sum is one accumulator chain from zero, then stored (zero_c) or added to c: c + chain,
+// so a long reduction split over calls is a sum of short chains (a blocked sum, as a BLAS's).
+// Pairwise (chains > 1, logits_panel): the call's steps are chains of kChain steps, from chain
+// `chain` on, of one sum of `chains` chains, combined by Pairwise through `stack` (its levels laid
+// out as c, level l at stack + l level).
 template <class E>
 struct Outer {
   const E* a;
@@ -169,19 +185,61 @@ struct Outer {
   int64_t bs, steps;
   float* c;
   int64_t ci;
-  Outer rows_from(int64_t i) const { return {a + i * ai, as, ai, b, bs, steps, c + i * ci, ci}; }
-  Outer cols_from(int64_t x) const { return {a, as, ai, b + x, bs, steps, c + x, ci}; }
-  Outer steps_from(int64_t s0, int64_t count) const { return {a + s0 * as, as, ai, b + s0 * bs, bs, count, c, ci}; }
+  float* stack = nullptr;
+  int64_t level = 0, chain = 0, chains = 1;
+  Outer rows_from(int64_t i) const { return moved(i * ai, 0, i * ci); }
+  Outer cols_from(int64_t x) const { return moved(0, x, x); }
+  Outer steps_from(int64_t s0, int64_t count) const {
+    Outer o = moved(s0 * as, s0 * bs, 0);
+    o.steps = count;
+    return o;
+  }
+  Outer moved(int64_t da, int64_t db, int64_t dc) const {
+    Outer o = *this;
+    o.a += da, o.b += db, o.c += dc;
+    if (stack) o.stack += dc;
+    return o;
+  }
 };
 
-// gemm(o', zero_c') for o's steps in blocks of kStepBlock, in order: the accumulators go through c
-// between blocks (each element the same chain, the same bits), and a block's slice of the operand
-// every register block reads stays in L1.
+// gemm(o', zero_c') for o's steps in blocks of kStepBlock, in order, and a block's slice of the
+// operand every register block reads stays in L1: c + each block's chain (see Outer) or, pairwise
+// (o.chains > 1), the block's chains of kChain steps.
 template <class E, class Gemm>
 void by_step_blocks(const Outer<E>& o, bool zero_c, Gemm&& gemm) {
-  for (int64_t s0 = 0; s0 < o.steps; s0 += kStepBlock)
-    gemm(o.steps_from(s0, std::min(kStepBlock, o.steps - s0)), zero_c && s0 == 0);
+  int64_t s0 = 0;
+  do {
+    Outer<E> ob = o.steps_from(s0, std::min(kStepBlock, o.steps - s0));
+    if (o.chains > 1) ob.chain = o.chain + s0 / kChain;
+    gemm(ob, o.chains > 1 ? zero_c : zero_c && s0 == 0);  // pairwise: zero_c is for the last chain's store
+    s0 += kStepBlock;
+  } while (s0 < o.steps);
 }
+
+// The pairwise sum of chains 0 .. chains - 1 (a binary counter): chain b's sum p first takes the
+// partial sums its carries meet (levels l = 0.. while bit l of b is 1), then goes on the stack at
+// the first free level, unless b is the last chain: then it takes the levels still held (the
+// higher set bits of b) and is the whole sum. The tree depends on `chains` alone.
+struct Pairwise {
+  int carries = 0;    // levels taken first
+  uint64_t held = 0;  // the last chain: the higher levels it takes (bit l: level l)
+  bool last = true;
+  Pairwise(int64_t b, int64_t chains) {
+    while ((b >> carries) & 1) ++carries;
+    last = b + 1 >= chains;
+    held = last ? uint64_t(b) >> (carries + 1) << (carries + 1) : 0;
+  }
+  // One scalar sum's chain p with its stack (target_dot): true when p is the sum.
+  bool merge(float& p, float* stack) const {
+    for (int l = 0; l < carries; ++l) p = stack[l] + p;
+    if (!last) {
+      stack[carries] = p;
+      return false;
+    }
+    for (uint64_t rest = held; rest; rest &= rest - 1) p = stack[__builtin_ctzll(rest)] + p;
+    return true;
+  }
+};
 
 // One step of an accumulator chain: acc + a b.
 inline fvec mac(fvec a, fvec b, fvec acc, float) { return vfma(a, b, acc); }
@@ -194,42 +252,67 @@ inline fvec bcast(uint32_t x) { return _mm512_castsi512_ps(_mm512_set1_epi32(int
 inline fvec load_operand(const uint32_t* p) { return vload(reinterpret_cast<const float*>(p)); }
 #endif
 
+// The end of a register block's chains acc[i][v] (element i ci + v kLanes of c), Pairwise's steps
+// level by level (one branch a level, not one an element), then stored (zero_c) or added to c.
+template <int M, int NV, class E>
+inline __attribute__((always_inline)) void finish_block(const Outer<E>& o, const Pairwise& plan, fvec (&acc)[M][NV],
+                                                        bool zero_c) {
+  auto each = [&](auto&& f) {
+#pragma GCC unroll 16
+    for (int i = 0; i < M; ++i)
+#pragma GCC unroll 16
+      for (int v = 0; v < NV; ++v) f(acc[i][v], i * o.ci + v * kLanes);
+  };
+  for (int l = 0; l < plan.carries; ++l) each([&](fvec& p, int64_t off) { p = vload(o.stack + l * o.level + off) + p; });
+  if (!plan.last) return each([&](fvec& p, int64_t off) { vstore(o.stack + plan.carries * o.level + off, p); });
+  for (uint64_t rest = plan.held; rest; rest &= rest - 1) {
+    const int64_t l = __builtin_ctzll(rest);
+    each([&](fvec& p, int64_t off) { p = vload(o.stack + l * o.level + off) + p; });
+  }
+  if (zero_c) return each([&](fvec& p, int64_t off) { vstore(o.c + off, p); });
+  each([&](fvec& p, int64_t off) { vstore(o.c + off, vload(o.c + off) + p); });
+}
+
 // Rows i < M by NV vectors of columns, accumulators in registers: each element is one chain over
-// s in increasing order, from 0 (zero_c) or from c's value. kPrefetch: b's rows are far apart (the
+// s in increasing order from 0, ended by finish. kPrefetch: b's rows are far apart (the
 // weight's own rows, read in place), too many streams for the hardware prefetcher, so each step
 // also asks for its row's next NV vectors, the next column block's operand.
 template <int M, int NV, class E, bool kPrefetch = false>
 inline __attribute__((always_inline)) void outer_block(const Outer<E>& o, bool zero_c) {
-  fvec acc[M][NV];
+  // The call's chains: one over all its steps, or (pairwise, o.chains > 1) chains of kChain steps,
+  // the first of them chain o.chain. (h = 0: one chain of no steps, zeros.)
+  const int64_t len = o.chains > 1 ? kChain : o.steps;
+  int64_t s0 = 0, chain = o.chain;
+  do {
+    fvec acc[M][NV];
 #pragma GCC unroll 16
-  for (int i = 0; i < M; ++i)
+    for (int i = 0; i < M; ++i)
 #pragma GCC unroll 16
-    for (int v = 0; v < NV; ++v) acc[i][v] = zero_c ? splat(0.f) : vload(o.c + i * o.ci + v * kLanes);
-  for (int64_t s = 0; s < o.steps; ++s) {
-    fvec b[NV];
+      for (int v = 0; v < NV; ++v) acc[i][v] = splat(0.f);
+    for (int64_t s = s0; s < std::min(o.steps, s0 + len); ++s) {
+      fvec b[NV];
 #pragma GCC unroll 16
-    for (int v = 0; v < NV; ++v) {
-      // b in a register: GCC would otherwise fold the load into each of the M FMAs that use it,
-      // M loads a vector instead of one, and the loads, not the FMAs, would set the pace.
-      fvec x = load_operand(o.b + s * o.bs + v * kLanes);
+      for (int v = 0; v < NV; ++v) {
+        // b in a register: GCC would otherwise fold the load into each of the M FMAs that use it,
+        // M loads a vector instead of one, and the loads, not the FMAs, would set the pace.
+        fvec x = load_operand(o.b + s * o.bs + v * kLanes);
 #if defined(__AVX__)  // a 32-byte vector has a register from AVX on (none in the x86-64 baseline)
-      __asm__("" : "+v"(x));
+        __asm__("" : "+v"(x));
 #endif
-      b[v] = x;
+        b[v] = x;
+      }
+      if constexpr (kPrefetch)
+        for (int v = 0; v < NV; ++v) __builtin_prefetch(o.b + s * o.bs + (NV + v) * kLanes);
+#pragma GCC unroll 16
+      for (int i = 0; i < M; ++i) {
+        const fvec x = bcast(o.a[s * o.as + i * o.ai]);
+#pragma GCC unroll 16
+        for (int v = 0; v < NV; ++v) acc[i][v] = mac(x, b[v], acc[i][v], E{});
+      }
     }
-    if constexpr (kPrefetch)
-      for (int v = 0; v < NV; ++v) __builtin_prefetch(o.b + s * o.bs + (NV + v) * kLanes);
-#pragma GCC unroll 16
-    for (int i = 0; i < M; ++i) {
-      const fvec x = bcast(o.a[s * o.as + i * o.ai]);
-#pragma GCC unroll 16
-      for (int v = 0; v < NV; ++v) acc[i][v] = mac(x, b[v], acc[i][v], E{});
-    }
-  }
-#pragma GCC unroll 16
-  for (int i = 0; i < M; ++i)
-#pragma GCC unroll 16
-    for (int v = 0; v < NV; ++v) vstore(o.c + i * o.ci + v * kLanes, acc[i][v]);
+    finish_block<M, NV>(o, Pairwise(chain, o.chains), acc, zero_c);
+    s0 += len, ++chain;
+  } while (s0 < o.steps);
 }
 
 // Rows [0, m) in blocks of M (the last m % M rows by smaller blocks), NV vectors of columns.
@@ -251,14 +334,14 @@ void outer_grid(const Outer<E>& o, int64_t m, int64_t nv, bool zero_c) {
     if (v < nv) outer_grid<M, NV - 1, E, kPrefetch>(o.cols_from(v * kLanes), m, nv - v, zero_c);
 }
 
-// Columns [x0, x1) of c, each element the same FMA chain as outer_block's: the columns past the
-// last whole vector.
+// Columns [x0, x1) of c, each element the same FMA chain as outer_block's (one chain a call, not
+// pairwise): the columns past the last whole vector.
 void outer_tail(const Outer<float>& o, int64_t m, int64_t x0, int64_t x1, bool zero_c) {
   for (int64_t i = 0; i < m; ++i)
     for (int64_t x = x0; x < x1; ++x) {
-      float acc = zero_c ? 0.f : o.c[i * o.ci + x];
+      float acc = 0.f;
       for (int64_t s = 0; s < o.steps; ++s) acc = std::fma(o.a[s * o.as + i * o.ai], o.b[s * o.bs + x], acc);
-      o.c[i * o.ci + x] = acc;
+      o.c[i * o.ci + x] = zero_c ? acc : o.c[i * o.ci + x] + acc;
     }
 }
 
@@ -269,12 +352,15 @@ void outer_f32(const Outer<float>& o, int64_t m, int64_t cols, bool zero_c) {
   outer_tail(o, m, cols - cols % kLanes, cols, zero_c);
 }
 
-// T[j][r] = sum_k wf[j][k] ap[k][r] for j < kTileV, r < kPanel. One accumulator chain per
-// element, k in order: every logit of the library is computed by this function (or, dp_bf16, by
-// the pair version below).
-inline void logits_panel(const float* wf, const float* ap, int64_t h, float* t, int64_t ldt) {
-  by_step_blocks(Outer<float>{wf, 1, h, ap, kPanel, h, t, ldt}, true, [](const Outer<float>& o, bool zero_c) {
-    outer_grid<kGroupV, kLogitVecs>(o, kTileV, kPanel / kLanes, zero_c);
+// T[j][r] = sum_k wf[j][k] ap[k][r] for j < kTileV, r < kPanel: per element, chains of kChain
+// steps (k in order) summed pairwise (Outer), the error of a BLAS's blocked sum or below; `stack`
+// holds chain_levels(h) tiles laid out as t. Every logit of the library is computed by this function
+// (or, dp_bf16, by the pair version below), or by target_dot's copy of its sequence.
+inline void logits_panel(const float* wf, const float* ap, int64_t h, float* t, int64_t ldt, float* stack) {
+  static_assert(kStepBlock % kChain == 0);
+  const Outer<float> o{wf, 1, h, ap, kPanel, h, t, ldt, stack, kTileV * ldt, 0, cdiv(h, kChain)};
+  by_step_blocks(o, true, [](const Outer<float>& ob, bool zero_c) {
+    outer_grid<kGroupV, kLogitVecs>(ob, kTileV, kPanel / kLanes, zero_c);
   });
 }
 
@@ -296,17 +382,18 @@ float dot_pairs(const uint16_t* x, const uint16_t* w, int64_t h) {
 
 // Logits tile T[kTileV][kBlock] for the row block starting at panel q0 (two panels), `steps`: h
 // (fp32) or the pair steps (bf16 pairs).
-template <class E>
-void logits_tile(const E* w, const E* ap, int64_t q0, int64_t steps, float* t) {
-  for (int64_t pq = 0; pq < 2; ++pq) logits_panel(w, ap + (q0 + pq) * kPanel * steps, steps, t + pq * kPanel, kBlock);
+template <class E, class... Stack>
+void logits_tile(const E* w, const E* ap, int64_t q0, int64_t steps, float* t, Stack... stack) {
+  for (int64_t pq = 0; pq < 2; ++pq)
+    logits_panel(w, ap + (q0 + pq) * kPanel * steps, steps, t + pq * kPanel, kBlock, (stack + pq * kPanel)...);
 }
 
 // The logits tile of row block blk from the weight tile w.
-void tile_logits(const Problem& p, const Panels& ap, const WeightTile& w, int64_t blk, float* t) {
+void tile_logits(const Problem& p, const Panels& ap, WeightTile& w, int64_t blk, float* t) {
 #if defined(__AVX512BF16__)
   if (dp_bf16(p)) return logits_tile(w.pairs, ap.pairs.data(), 2 * blk, pair_steps(p), t);
 #endif
-  logits_tile(w.f32, ap.f32.data(), 2 * blk, p.h, t);
+  logits_tile(w.f32, ap.f32.data(), 2 * blk, p.h, t, w.stack.data());
 }
 
 // The weight tile the logits read: pairs when dp_bf16, else f32 (see WeightTile).
@@ -330,6 +417,7 @@ void load_logits_weight(const Problem& p, const void* weight, int64_t v0, int64_
 WeightTile weight_tile(const Problem& p) {
   WeightTile w;
   w.wf.resize(size_t(kTileV * p.h));
+  if (!dp_bf16(p)) w.stack.resize(size_t(chain_levels(p.h) * kTileV * kBlock));
   if (dp_bf16(p)) w.wb.resize(size_t(kTileV * pair_steps(p)));
   return w;
 }
@@ -603,7 +691,8 @@ void forward_unit(const Problem& p, const FwdArgs& a, const Panels& ap, int64_t 
       const ivec has = sum[rv] != 0.f;
       ak[rv] = has ? alpha * (ak[rv] + d * sk[rv]) + tak : tak;
       sk[rv] = has ? alpha * sk[rv] + tsk : tsk;
-      acc_b[rv] = has ? alpha * (acc_b[rv] + d * (2.f * acc_a[rv] + d * sum[rv])) + tb : tb;
+      // b as moments_merge: the old part adds nothing once alpha underflows (d^2 sum may overflow)
+      acc_b[rv] = has & (alpha != 0.f) ? alpha * (acc_b[rv] + d * (2.f * acc_a[rv] + d * sum[rv])) + tb : tb;
       acc_a[rv] = has ? alpha * (acc_a[rv] + d * sum[rv]) + ta : ta;
       sum[rv] = has ? alpha * sum[rv] + ts : ts;
       m[rv] = mt;
@@ -632,7 +721,8 @@ void forward_unit(const Problem& p, const FwdArgs& a, const Panels& ap, int64_t 
     }
 }
 
-// h_r . w_j by the logits' own sequence (hrow, wrow: scratch of h floats).
+// h_r . w_j by the logits' own sequence (hrow, wrow: scratch of h floats; logits_panel's chains
+// and their pairwise sum).
 float target_dot(const Problem& p, const FwdArgs& a, int64_t r, int64_t j, float* hrow, float* wrow) {
 #if defined(__AVX512BF16__)
   if (dp_bf16(p))
@@ -641,9 +731,14 @@ float target_dot(const Problem& p, const FwdArgs& a, int64_t r, int64_t j, float
 #endif
   to_f32(p.dtype, a.hidden, r * p.h, p.h, hrow);
   to_f32(p.dtype, a.weight, j * p.h, p.h, wrow);
-  float acc = 0.f;
-  for (int64_t k = 0; k < p.h; ++k) acc = std::fma(hrow[k], wrow[k], acc);
-  return acc;
+  float stack[64], sum = 0.f;
+  const int64_t chains = cdiv(p.h, kChain);
+  for (int64_t b = 0; b < chains; ++b) {
+    float acc = 0.f;
+    for (int64_t k = b * kChain; k < std::min(p.h, (b + 1) * kChain); ++k) acc = std::fma(hrow[k], wrow[k], acc);
+    if (Pairwise(b, chains).merge(acc, stack)) sum = acc;
+  }
+  return sum;
 }
 
 // target_logit[r]: z of the target when it is a real id of this shard, else 0.
@@ -745,7 +840,7 @@ void dlogit_tile(float* t, int64_t gid0, int64_t valid, const RowBlock& rb, cons
 // The tile of row block `blk` and columns [v0, v0 + valid) (forward tile `tile` of the row): from
 // the kept buffer (fast) or recomputed (lean; needs the logits' weight tile in w).
 void z_tile(const Problem& p, const BwdArgs& a, const Panels& ap, int64_t blk, int64_t v0, int64_t valid,
-            int64_t tile, const RowBlock& rb, const WeightTile& w, float* t, TileKind& kind) {
+            int64_t tile, const RowBlock& rb, WeightTile& w, float* t, TileKind& kind) {
   kind.q = a.logits && !kept_f32(p);
   if (!a.logits) {
     tile_logits(p, ap, w, blk, t);
@@ -940,8 +1035,10 @@ void dweight_unit(const Problem& p, const BwdArgs& a, const Panels& ap, int64_t 
       if (a.keep) keep_tile(p, a.keep, blk * kBlock, v0, valid, s.kt.data());
       dlogit_tile(s.t.data(), p.vocab_start + v0, valid, rb, kind, p.with_entropy, a.keep ? s.kt.data() : nullptr,
                   nullptr);
-      for (int64_t r = 0; r < kBlock; ++r)  // r outer: kTileV independent sums, each in row order
-        for (int64_t j = 0; j < kTileV; ++j) db[j] += s.t[j * kBlock + r];
+      float dbb[kTileV] = {};  // the block's sums (r outer: kTileV independent sums in row order), then db + them
+      for (int64_t r = 0; r < kBlock; ++r)
+        for (int64_t j = 0; j < kTileV; ++j) dbb[j] += s.t[j * kBlock + r];
+      for (int64_t j = 0; j < kTileV; ++j) db[j] += dbb[j];
       dw_tile(p, ap, blk, blocks, s);
     }
   }

@@ -3,7 +3,9 @@
 // One CTA of 256 threads computes one 128x128 fp32 tile C = A . B over a K range and leaves it in
 // shared memory (Cs, row stride kCsLd), where the caller's epilogue reads it. Operands are staged
 // through a 3-stage cp.async pipeline. bf16/fp16 multiply on the tensor cores through WMMA
-// (16x16x16, fp32 accumulators); fp32 multiplies with plain FFMA (never tf32: the contract is fp32).
+// (16x16x16, fp32 accumulators); fp32 multiplies with plain FFMA (never tf32: the contract is fp32),
+// its sum over K blocked as a BLAS's: chains of kChainK steps, each from zero, added in order to
+// the element's total (one chain over K grew its error with K: sqrt(K) roundings at the row's scale).
 //
 // Layout: both operands K-major, A(m,k) = A[m*lda+k] and B(k,n) = B[n*ldb+k]: the logits H W^T
 // (the backward's GEMMs are cuBLAS's, cuda/blas.h). Out-of-range elements load as zeros. Every
@@ -34,6 +36,7 @@ template <> __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float
 constexpr int kBM = 128, kBN = 128, kThreads = 256, kStages = 3;
 constexpr int kCsLd = kBN + 4;  // fp32 row stride of the C tile in shared memory
 constexpr size_t kCsBytes = size_t(kBM) * kCsLd * sizeof(float);
+constexpr int kChainK = 128;  // fp32: steps per accumulator chain (a multiple of TileCfg<float>::BK)
 
 template <typename T> struct TileCfg {
   static constexpr int BK = 64 / int(sizeof(T));   // 32 halves or 16 floats: 64-byte rows
@@ -116,13 +119,14 @@ __device__ void gemm_tile(const T* __restrict__ A, int64_t lda, int64_t m_lim, c
   constexpr bool kTensor = sizeof(T) == 2;
   constexpr int AL = Cfg::LD, BL = Cfg::LD;
 
-  // Accumulators: WMMA fragments (16-bit) or an 8x8 FFMA micro tile (fp32).
+  // Accumulators: WMMA fragments (16-bit) or an 8x8 FFMA micro tile (fp32: the chain facc and the
+  // total ftot of the chains before it).
   using namespace nvcuda;
   using FragC = wmma::fragment<wmma::accumulator, 16, 16, 16, float>;
   const int warp = tid / 32;
   const int wm = warp / 4, wn = warp % 4;  // warp tile 64 x 32
   FragC acc[kTensor ? 4 : 1][kTensor ? 2 : 1];
-  float facc[kTensor ? 1 : 8][kTensor ? 1 : 8];
+  float facc[kTensor ? 1 : 8][kTensor ? 1 : 8], ftot[kTensor ? 1 : 8][kTensor ? 1 : 8];
   if constexpr (kTensor) {
 #pragma unroll
     for (int i = 0; i < 4; ++i)
@@ -132,7 +136,7 @@ __device__ void gemm_tile(const T* __restrict__ A, int64_t lda, int64_t m_lim, c
 #pragma unroll
     for (int i = 0; i < 8; ++i)
 #pragma unroll
-      for (int j = 0; j < 8; ++j) facc[i][j] = 0.f;
+      for (int j = 0; j < 8; ++j) facc[i][j] = ftot[i][j] = 0.f;
   }
 
 #pragma unroll
@@ -192,6 +196,16 @@ __device__ void gemm_tile(const T* __restrict__ A, int64_t lda, int64_t m_lim, c
 #pragma unroll
           for (int j = 0; j < 8; ++j) facc[i][j] = fmaf(a[i], b[j], facc[i][j]);
       }
+      static_assert(kChainK % BK == 0);
+      if ((kt + 1) % (kChainK / BK) == 0 || kt + 1 == KT) {  // the chain's end: into the total
+#pragma unroll
+        for (int i = 0; i < 8; ++i)
+#pragma unroll
+          for (int j = 0; j < 8; ++j) {
+            ftot[i][j] += facc[i][j];
+            facc[i][j] = 0.f;
+          }
+      }
     }
   }
   cp_async_wait<0>();
@@ -208,7 +222,7 @@ __device__ void gemm_tile(const T* __restrict__ A, int64_t lda, int64_t m_lim, c
 #pragma unroll
     for (int i = 0; i < 8; ++i)
 #pragma unroll
-      for (int j = 0; j < 8; ++j) Cs[(ty + 16 * i) * kCsLd + tx + 16 * j] = facc[i][j];
+      for (int j = 0; j < 8; ++j) Cs[(ty + 16 * i) * kCsLd + tx + 16 * j] = ftot[i][j];
   }
   __syncthreads();
 }

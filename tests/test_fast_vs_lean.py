@@ -63,3 +63,30 @@ def test_fast_is_as_exact_as_lean(dtype, std, shape):
             assert f <= 1.2 * l + 1e-7, f"{name} at std {std}, T {temp}: fast {f:.3g} vs lean {l:.3g}"
         if dtype == torch.float32 and shape[0] == "cpu":  # fast reads the very z lean recomputes
             assert all(torch.equal(a, b) for a, b in zip(fast_grads, lean_grads))
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_fast_dtemp_finite_where_lean_is_at_huge_logit_spread(dtype, shape):
+    """Logit spread about 1e20 (T = 3e-20): the chunks' (z - m)^2 moments of the 16-bit kept record
+    overflow fp32 where their p underflow. fast's dT is finite (and equal to lean's) wherever lean's
+    is: the entropy's gradient alone (0 here), and logp's on rows whose target is the argmax (0); was
+    NaN for bf16 and fp16."""
+    device, n, h, v = shape
+    g = torch.Generator().manual_seed(5)
+    hid, w = torch.randn(n, h, generator=g).to(dtype), torch.randn(v, h, generator=g).to(dtype)
+    t = (hid.float() @ w.float().T).argmax(dim=1)
+    t[1::2] = torch.randint(0, v, (n // 2,), generator=g)  # odd rows: any target (dT inf, lean's too)
+    hid, w, t = hid.to(device), w.to(device), t.to(device)
+    for ge, gl in ((1.0, 0.0), (0.0, 1.0), (1.0, 1.0)):
+        out = {}
+        for strategy in ("fast", "lean"):
+            temp = torch.full((n,), 3e-20, device=device, requires_grad=True)
+            logp, ent = torch_bridge.linear_logp(hid, w, t, temperature=temp, return_entropy=True, mode="strict",
+                                                 backward=strategy)
+            (gl * logp.sum() + ge * ent.sum()).backward()
+            out[strategy] = temp.grad.cpu()
+        fast, lean = out["fast"], out["lean"]
+        assert lean[::2].isfinite().all() and (gl == 0 or not lean[1::2].isfinite().any()), lean
+        assert torch.equal(fast.isfinite(), lean.isfinite()), (ge, gl, fast, lean)
+        torch.testing.assert_close(fast[lean.isfinite()], lean[lean.isfinite()], rtol=1e-4, atol=0)

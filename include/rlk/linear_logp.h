@@ -114,15 +114,17 @@ RLK_HD void stats_merge(float m2, float s2, float a2, float& m, float& s, float&
 RLK_HD void moments_merge(float m2, float s2, float a2, float b2, float& m, float& s, float& a, float& b) {
   // Explicit fmaf: no product here is shared with stats_merge's expressions, whose contraction
   // into fma must not depend on whether b is merged too (the same (m, s, a) bits either way).
+  // A part whose exponentials underflow against the other's max adds nothing to b (its d^2 s may
+  // overflow at a logit spread above about 1e19: not 0 * inf = NaN); b's other bits are unchanged.
   if (s2 == 0.f) return;
   if (s == 0.f) {
     b = b2;
   } else if (m2 > m) {  // rebase (m, s, a, b) to m2: z - m2 = (z - m) + d
-    const float d = m - m2;
-    b = fmaf(expf(d), fmaf(d, fmaf(d, s, 2.f * a), b), b2);
+    const float d = m - m2, alpha = expf(d);
+    b = alpha == 0.f ? b2 : fmaf(alpha, fmaf(d, fmaf(d, s, 2.f * a), b), b2);
   } else {
-    const float d = m2 - m;
-    b = fmaf(expf(d), fmaf(d, fmaf(d, s2, 2.f * a2), b2), b);
+    const float d = m2 - m, alpha = expf(d);
+    b = alpha == 0.f ? b : fmaf(alpha, fmaf(d, fmaf(d, s2, 2.f * a2), b2), b);
   }
   stats_merge(m2, s2, a2, m, s, a);
 }
@@ -132,9 +134,14 @@ RLK_HD void moments_merge(float m2, float s2, float a2, float b2, float& m, floa
 // without the target's g (z_t - m): with d = m_c - m and w = exp(d - log_s) (p = w exp(z - m_c)),
 //   w [(c e - g)(a_c + d s_c) - e (b_c + d (2 a_c + d s_c))].
 // The fast backward's dT from fp32 sums, where its kept fp16 probabilities would round it.
+// A chunk whose p all underflow (w = 0) adds 0, as its columns do in lean's sum: its d^2 s_c may
+// overflow (a logit spread above about 1e19), and 0 * inf is NaN. (A NaN row's g is NaN and keeps
+// its dT NaN through the chunk of its max, where w > 0.)
 RLK_HD float moments_dzz(const float* mom, float m, float log_s, float c, float g, float e) {
   if (mom[1] == 0.f) return 0.f;  // only padding
-  const float d = mom[0] - m, w = expf(d - log_s), ad = mom[2] + d * mom[1];
+  const float d = mom[0] - m, w = expf(d - log_s);
+  if (w == 0.f) return 0.f;
+  const float ad = mom[2] + d * mom[1];
   return w * ((c * e - g) * ad - e * (mom[3] + d * (2.f * mom[2] + d * mom[1])));
 }
 
@@ -160,8 +167,8 @@ RLK_HD void nucleus_merge(float m2, float s2, float sk2, float ak2, float m, flo
 // wk = exp(d - log_s_keep). The target's g (z_t - m) is the caller's, when the target is kept.
 RLK_HD float kept_moments_dzz(const float* mom, float m, float log_s, float log_s_keep, float c, float g, float e) {
   if (mom[1] == 0.f) return 0.f;  // only padding
-  const float d = mom[0] - m;
-  return moments_dzz(mom, m, log_s, c, 0.f, e) - g * expf(d - log_s_keep) * (mom[5] + d * mom[4]);
+  const float d = mom[0] - m, wk = expf(d - log_s_keep);
+  return moments_dzz(mom, m, log_s, c, 0.f, e) - (wk == 0.f ? 0.f : g * wk * (mom[5] + d * mom[4]));
 }
 
 // 1 / T, correctly rounded on every platform. The kernels take the temperature, not its inverse:
