@@ -13,7 +13,7 @@ namespace {
 struct Level {
   const char* name;
   bool (*runs_here)();
-  size_t (*kept_bytes)(const Problem&);
+  size_t (*saved_logits_bytes)(const Problem&);
   Status (*forward)(const Problem&, const FwdArgs&);
   Status (*combine)(const CombineArgs&);
   Status (*backward)(const Problem&, const BwdArgs&);
@@ -22,16 +22,16 @@ struct Level {
 }  // namespace
 
 // Each level's entry points (defined by the kernel sources compiled for it) and its row of the table.
-#define RLK_CPU_LEVEL(level, check)                                               \
-  namespace isa_##level {                                                         \
-  size_t kept_bytes(const Problem& p);                                            \
-  Status forward(const Problem& p, const FwdArgs& a);                             \
-  Status combine(const CombineArgs& a);                                           \
-  Status backward(const Problem& p, const BwdArgs& a);                            \
-  }                                                                               \
-  static bool runs_##level() { return check; }                                    \
-  static constexpr Level kLevel_##level{#level, runs_##level, isa_##level::kept_bytes, isa_##level::forward, \
-                                        isa_##level::combine, isa_##level::backward};
+#define RLK_CPU_LEVEL(level, check)                                                                  \
+  namespace isa_##level {                                                                            \
+  size_t saved_logits_bytes(const Problem& p);                                                       \
+  Status forward(const Problem& p, const FwdArgs& a);                                                \
+  Status combine(const CombineArgs& a);                                                              \
+  Status backward(const Problem& p, const BwdArgs& a);                                               \
+  }                                                                                                  \
+  static bool runs_##level() { return check; }                                                       \
+  static constexpr Level kLevel_##level{#level, runs_##level, isa_##level::saved_logits_bytes,       \
+                                        isa_##level::forward, isa_##level::combine, isa_##level::backward};
 
 // __builtin_cpu_supports checks the CPU and that the OS saves the vector registers (XCR0).
 #if RLK_CPU_NATIVE
@@ -87,7 +87,7 @@ std::vector<std::string> isas_here() {
   return out;
 }
 
-size_t kept_bytes(const Problem& p) { return level().kept_bytes(p); }
+size_t saved_logits_bytes(const Problem& p) { return level().saved_logits_bytes(p); }
 Status forward(const Problem& p, const FwdArgs& a) { return level().forward(p, a); }
 Status combine(const CombineArgs& a) { return level().combine(a); }
 Status backward(const Problem& p, const BwdArgs& a) { return level().backward(p, a); }

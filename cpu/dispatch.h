@@ -1,7 +1,7 @@
 // The CPU backend's ISA levels. Every cpu/*.cc kernel source is compiled once per level, in the
 // namespace rlk::cpu::RLK_CPU_ISA (CMakeLists.txt: isa_baseline, isa_avx2, isa_avx512,
 // isa_avx512bf16; or isa_native alone for a -march=native build), and cpu/dispatch.cc routes
-// rlk::cpu::forward, backward, combine and kept_bytes to the highest level this CPU runs, chosen
+// rlk::cpu::forward, backward, combine and saved_logits_bytes to the highest level this CPU runs, chosen
 // once, at first use. RLK_CPU_ISA=<level> forces a lower one (tests; comparisons).
 #pragma once
 

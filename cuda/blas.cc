@@ -219,15 +219,13 @@ Status first_pick(const Api& a, DeviceHandle& d, const Key& key, Objects& o, Alg
 // beside it: a token's dH is the same in a batch of 1 or of 16384. (Each row count's own first
 // pick would do so only as far as measured: at one H and V they span up to seven tile
 // configurations.) 1024: of 1024, 4096 and 16384, its pick was the fastest at
-// most row counts (docs/benchmarks.md §5, `lt_candidates.py --rows`); against each row count's
-// own pick, 2-5x faster at 127 rows, 10-31% slower at 796 and 1820 (tuned there, kTuneFlops),
-// within 8% from 4096 up.
+// most row counts; the timings against each row count's own pick: docs/benchmarks.md §5, "One dH
+// algorithm for every row count" (`lt_candidates.py --rows`).
 constexpr int64_t kPinnedRows = 1024;
 
 // ---- the tuned pick -----------------------------------------------------------------------------
-// The heuristic's first pick can be several percent slower than one of its next candidates: for
-// the fast path's dH at L16k (16384 x 4096, k = 151936) 30.1 to 31.1 ms against 29.3 to 29.5 for
-// the second (docs/benchmarks.md §5). So a GEMM of kTuneFlops and up is timed
+// The heuristic's first pick can be several percent slower than one of its next candidates
+// (docs/benchmarks.md §5, "the tuned cuBLASLt pick"). So a GEMM of kTuneFlops and up is timed
 // once per size class with the first kTuneCandidates no-split candidates, on the call's own
 // operands, and the fastest is kept. The bits cannot change with it: a candidate is admitted only
 // if its output has the first pick's bits (every no-split candidate measured so far does: they
@@ -237,7 +235,7 @@ constexpr int64_t kPinnedRows = 1024;
 // and RLK_BLAS_TUNE not "0". Costs one host synchronization and about 3 x kTuneCandidates runs of
 // the GEMM, once per class; the size class makes a batch whose token count varies from step to
 // step tune a few times, not every step.
-constexpr double kTuneFlops = 2e11;  // about 0.3 ms on an H200 (T1's GEMMs): tuning pays off within a few steps
+constexpr double kTuneFlops = 2e11;  // T1's gradient GEMMs' size: tuning pays off within a few steps (§5)
 constexpr int kTuneCandidates = 4;
 constexpr int64_t kSampleRows = 256;  // output rows compared per candidate (evenly spread)
 

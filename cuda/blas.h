@@ -2,9 +2,9 @@
 //
 // Why cuBLAS and not our own wgmma kernels (cuda/linear_logp_sm90.cu): the backward's two
 // gradient GEMMs (dH = dlogit W, dW = dlogit^T H) are plain GEMMs with no fused epilogue left to
-// gain (dlogit is formed before them: by one memory-bound pass over the kept record, or by the sm90
-// kernel's recompute), and our own all-K-major wgmma GEMMs plus the transposes they need ran at
-// about 75% of cuBLAS on the H200 (docs/benchmarks.md).
+// gain (dlogit is formed before them: by one memory-bound pass over the saved record, or by the sm90
+// kernel's recompute), and our own wgmma GEMMs plus the transposes they need ran slower than
+// cuBLAS's (docs/benchmarks.md §5, "our own SM90 gradient GEMMs").
 // cuBLAS takes the transposed layouts directly.
 //
 // Why cuBLASLt: its heuristics take a reduction-scheme mask. The algorithm is cuBLASLt's first

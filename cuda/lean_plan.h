@@ -66,7 +66,7 @@ inline size_t lean_per_row(const Problem& p, bool fused, int64_t P) {
 // (no recompute then); else row sweeps.
 LeanLayout lean_layout(const Problem& p, bool fused, DType dh_dtype);
 
-// The workspace of the lean backward (BwdArgs::logits null). `fused`: the sm90 recompute may run
+// The workspace of the lean backward (BwdArgs::saved_logits null). `fused`: the sm90 recompute may run
 // (forward_backend is kCudaSm90); backward_lean then still falls back to the gemm path for
 // operands that TMA cannot take, so the workspace holds either layout.
 size_t lean_workspace_bytes(const Problem& p, bool fused, DType dh_dtype);

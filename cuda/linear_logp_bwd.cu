@@ -3,11 +3,11 @@
 //            db by column sums in row order;
 //   dH = dlogit W (BwdArgs::dhidden_dtype out) and dW = dlogit^T H (dtype out): cuBLAS GEMMs
 //   (blas.h says why).
-// fast  p comes from the forward's kept record (FwdArgs::logits, KeptLayout: fp16 q with fp32 group
+// fast  p comes from the forward's saved record (FwdArgs::saved_logits, SavedLayout: fp16 q with fp32 group
 //       maxima and chunk moments; fp32 operands: z); one memory-bound pass (dlogit_kernel, one
 //       block per row) overwrites q (z) with dlogit in place (same element size: fp16 -> bf16/fp16,
 //       fp32 -> fp32), and dT comes from the moments. Work: the two gradient GEMMs plus ~4 bytes
-//       moved per logit; extra memory: the kept record.
+//       moved per logit; extra memory: the saved record.
 // lean  dlogit is formed per (vocab piece, row pass) in a tile: on Hopper by the sm90 kernel
 //       itself (it recomputes z and writes dlogit from its accumulators), elsewhere by a cuBLAS
 //       GEMM into an fp32 z tile and dlogit_kernel. dH accumulates over pieces in fp32 (piece
@@ -45,10 +45,10 @@ constexpr int kVec = 8;           // columns per thread step (16-byte loads of 2
 
 // ---- dlogit -----------------------------------------------------------------------------------
 struct DlogitParams {
-  const void* z;  int64_t ldz;  // [rows, cols] ZT: kept z or q, or (raw) h.W still without bias and 1/T
+  const void* z;  int64_t ldz;  // [rows, cols] ZT: saved z or q, or (raw) h.W still without bias and 1/T
   bool raw;
-  const float* head;            // the kept record's head [rows, kept.floats] when z holds q, else null
-  KeptLayout kept;
+  const float* head;            // the saved record's head [rows, saved.floats] when z holds q, else null
+  SavedLayout saved;
   int64_t chunk;
   void* dlog;     int64_t ldd;  // [rows, cols] dtype; fast: the same memory as z
   int64_t cols;
@@ -105,7 +105,7 @@ template <typename T> __device__ __forceinline__ void store_cols(T* r, int64_t c
     if (c0 + k < q.cols) r[c0 + k] = from_f<T>(x[k]);
 }
 
-// With q (16-bit kept record): p = q w, the nucleus's p = q wk and z - m = log q + d for the
+// With q (16-bit saved record): p = q w, the nucleus's p = q wk and z - m = log q + d for the
 // columns of one group, d = mt - m, w = exp(d - log_s), wk = exp(d - log_s_keep).
 struct GroupScale {
   float w, wk, d;
@@ -115,7 +115,7 @@ __device__ __forceinline__ GroupScale group_scale(const float* group_max, int64_
   const float d = group_max[g] - m;
   return {__expf(d - log_s), __expf(d - log_s_keep), d};
 }
-// Where a thread's vector of columns lies in the kept record's groups (KeptLayout): chunk c, offset
+// Where a thread's vector of columns lies in the saved record's groups (SavedLayout): chunk c, offset
 // off in it. Advanced by additions only: a 64-bit division per vector slowed the pass (docs/benchmarks.md §5).
 struct ChunkPos {
   int64_t c, off;
@@ -126,9 +126,9 @@ struct ChunkPos {
 // The group scales of the vector's kVec columns at pos (columns past the row: any value).
 __device__ __forceinline__ void vector_scales(const DlogitParams& q, const float* gmax, ChunkPos pos, float m,
                                               float log_s, float log_s_keep, GroupScale (&gs)[kVec]) {
-  const int64_t w = KeptLayout::kGroupCols;
+  const int64_t w = SavedLayout::kGroupCols;
   if (pos.off + kVec <= q.chunk && pos.off % w + kVec <= w) {  // one group (always, when chunk % 8 == 0)
-    const GroupScale one = group_scale(gmax, q.kept.group_at(pos.c, pos.off), m, log_s, log_s_keep);
+    const GroupScale one = group_scale(gmax, q.saved.group_at(pos.c, pos.off), m, log_s, log_s_keep);
 #pragma unroll
     for (int k = 0; k < kVec; ++k) gs[k] = one;
     return;
@@ -137,24 +137,24 @@ __device__ __forceinline__ void vector_scales(const DlogitParams& q, const float
   for (int k = 0; k < kVec; ++k) {  // across a group or chunk start
     const bool next = pos.off + k >= q.chunk;
     const int64_t c = pos.c + (next ? 1 : 0), off = pos.off + k - (next ? q.chunk : 0);
-    gs[k] = c < q.kept.chunks ? group_scale(gmax, q.kept.group_at(c, off), m, log_s, log_s_keep)
+    gs[k] = c < q.saved.chunks ? group_scale(gmax, q.saved.group_at(c, off), m, log_s, log_s_keep)
                               : GroupScale{0.f, 0.f, 0.f};
   }
 }
 
-// dT's sum_j dz_j z_j over this shard's columns of a row, from the kept record's moments: the sum
+// dT's sum_j dz_j z_j over this shard's columns of a row, from the saved record's moments: the sum
 // of dz_j (z_j - m) (with a nucleus, kept_moments_dzz; the target counts when kept), plus m sum_j
 // dz_j, which is 0 over the shards unless the target is outside the nucleus: then -g, added by the
 // target's shard.
-__device__ float kept_dzz(const DlogitParams& q, const float* head, const uint8_t* keep, int64_t t, float m,
+__device__ float saved_dzz(const DlogitParams& q, const float* head, const uint8_t* keep, int64_t t, float m,
                           float log_s, float log_s_keep, float ent, float g, float e, int64_t live_cols) {
   float acc = 0.f;
-  for (int64_t c = 0; c < q.kept.chunks; ++c) {
-    const float* mom = head + q.kept.moments_at(c);
+  for (int64_t c = 0; c < q.saved.chunks; ++c) {
+    const float* mom = head + q.saved.moments_at(c);
     acc += keep ? kept_moments_dzz(mom, m, log_s, log_s_keep, log_s - ent, g, e) : moments_dzz(mom, m, log_s, log_s - ent, g, e);
   }
   const int64_t tl = t - q.col0;
-  if (tl >= 0 && tl < live_cols) acc += !keep || keep[tl] ? g * (head[q.kept.z_target_at()] - m) : -g * m;
+  if (tl >= 0 && tl < live_cols) acc += !keep || keep[tl] ? g * (head[q.saved.z_target_at()] - m) : -g * m;
   return acc;
 }
 
@@ -164,9 +164,9 @@ __device__ float kept_dzz(const DlogitParams& q, const float* head, const uint8_
 // padding), the target is one small-int compare, and p = __expf(zm - log_s) (ex2.approx, a few ulp:
 // the result is rounded to 16 bits; the sm90 epilogue's form). Four vectors in flight per thread
 // instead of one gained nothing (docs/benchmarks.md §5).
-// kKeep: q.keep is set (a template argument, so the pass without a nucleus is compiled as if
+// kSave: q.keep is set (a template argument, so the pass without a nucleus is compiled as if
 // there were none).
-template <typename ZT, typename T, bool kKeep>
+template <typename ZT, typename T, bool kSave>
 __global__ void __launch_bounds__(kRowThreads) dlogit_kernel(DlogitParams q) {
   __shared__ float red[kRowThreads];
   const int64_t row = blockIdx.x;
@@ -174,7 +174,7 @@ __global__ void __launch_bounds__(kRowThreads) dlogit_kernel(DlogitParams q) {
   const bool active = classify_target(t, q.real_vocab, q.ignore_index) == TargetKind::kValid;
   const float it = reciprocal(q.temperature[row]);
   const float m = active ? q.m[row] : 0.f, log_s = active ? q.log_s[row] : 0.f;
-  const uint8_t* keep = kKeep ? q.keep + row * q.ldk : nullptr;
+  const uint8_t* keep = kSave ? q.keep + row * q.ldk : nullptr;
   const float log_s_keep = active && keep ? q.log_s_keep[row] : log_s;
   // a row with non-finite statistics (a NaN row; with a nucleus, also an empty one) gets NaN in
   // every real column, -inf logits too
@@ -185,7 +185,7 @@ __global__ void __launch_bounds__(kRowThreads) dlogit_kernel(DlogitParams q) {
   // columns [0, live_cols) are real ids of this row's vocab; past them (padding, the tile's
   // spare columns) no gradient
   const int64_t live_cols = active ? std::min(q.cols, q.real_vocab - q.col0) : 0;
-  const float* head = q.head ? q.head + row * q.kept.floats : nullptr;
+  const float* head = q.head ? q.head + row * q.saved.floats : nullptr;
   float dzz = 0.f;
   ChunkPos pos{0, int64_t(threadIdx.x) * kVec};
   if (head) pos.advance(0, q.chunk);
@@ -200,14 +200,14 @@ __global__ void __launch_bounds__(kRowThreads) dlogit_kernel(DlogitParams q) {
     for (int k = 0; k < kVec; ++k) in_k[k] = !keep || (k < nlive && keep[c0 + k] != 0);
     if (head) {  // q = 0: p = 0 (a -inf logit, or below fp16); z - m only for the entropy term
       GroupScale gs[kVec];
-      vector_scales(q, head + q.kept.group_max_at(), pos, m, log_s, log_s_keep, gs);
+      vector_scales(q, head + q.saved.group_max_at(), pos, m, log_s, log_s_keep, gs);
       pos.advance(int64_t(kRowThreads) * kVec, q.chunk);
 #pragma unroll
       for (int k = 0; k < kVec; ++k) {
         const bool live = k < nlive && x[k] != 0.f;
         const float pr = live ? x[k] * gs[k].w : 0.f;
         const float zm = live && e != 0.f ? __logf(x[k]) + gs[k].d : 0.f;
-        const float pk = !kKeep ? pr : live && in_k[k] ? x[k] * gs[k].wk : 0.f;
+        const float pk = !kSave ? pr : live && in_k[k] ? x[k] * gs[k].wk : 0.f;
         x[k] = (k < nlive ? dz_of(zm, pr, pk, in_k[k] && k == kt, log_s, ent, g, e) : 0.f) * it;
       }
       store_cols(dr, c0, q, x);
@@ -220,7 +220,7 @@ __global__ void __launch_bounds__(kRowThreads) dlogit_kernel(DlogitParams q) {
       // -inf: probability 0 (a logit masked by the bias); NaN stays live
       const bool live = k < nlive && !(z == -INFINITY);
       const float zm = live ? z - m : 0.f, pr = live ? __expf(zm - log_s) : 0.f;
-      const float pk = !kKeep ? pr : live && in_k[k] ? __expf(zm - log_s_keep) : 0.f;
+      const float pk = !kSave ? pr : live && in_k[k] ? __expf(zm - log_s_keep) : 0.f;
       const float dz = k < nlive ? dz_of(zm, pr, pk, in_k[k] && k == kt, log_s, ent, g, e) : 0.f;
       if (live) dzz = fmaf(dz, z, dzz);
       x[k] = dz * it;
@@ -230,7 +230,7 @@ __global__ void __launch_bounds__(kRowThreads) dlogit_kernel(DlogitParams q) {
   if (!q.dtemp) return;
   if (head) {
     if (threadIdx.x == 0)
-      q.dtemp[row] = active ? -it * kept_dzz(q, head, keep, t, m, log_s, log_s_keep, ent, g, e, live_cols) : 0.f;
+      q.dtemp[row] = active ? -it * saved_dzz(q, head, keep, t, m, log_s, log_s_keep, ent, g, e, live_cols) : 0.f;
     return;
   }
   red[threadIdx.x] = dzz;  // fixed-shape tree: the same order for every row and every run
@@ -307,11 +307,11 @@ Status launch_colsum(const void* dlog, int64_t ldd, int64_t rows, int64_t cols, 
 template <typename T>
 Status backward_fast(const Problem& p, const BwdArgs& a, Workspace ws, cudaStream_t st) {
   using ZT = std::conditional_t<sizeof(T) == 4, float, __half>;  // z, or q
-  const KeptRows kr = kept_rows(p, a.logits);
+  const SavedRows kr = saved_rows(p, a.saved_logits);
   DlogitParams q = row_params(p, a, 0);
   q.z = kr.z; q.ldz = p.v;
   q.dlog = kr.z; q.ldd = p.v;
-  q.head = kr.head; q.kept = KeptLayout(p); q.chunk = p.chunk;
+  q.head = kr.head; q.saved = SavedLayout(p); q.chunk = p.chunk;
   q.cols = p.v; q.col0 = p.vocab_start;
   q.dtemp_last = true;
   if (Status s = launch_dlogit<ZT, T>(q, p.n, st)) return s;
@@ -518,7 +518,7 @@ Status backward_t(const Problem& p, const BwdArgs& a, Workspace ws, cudaStream_t
       return "rlk cuda backward: memset failed";
     return nullptr;
   }
-  return a.logits ? backward_fast<T>(p, a, ws, st) : backward_lean<T>(p, a, ws, st);
+  return a.saved_logits ? backward_fast<T>(p, a, ws, st) : backward_lean<T>(p, a, ws, st);
 }
 
 }  // namespace
@@ -532,7 +532,7 @@ Status backward(const Problem& p, const BwdArgs& a, Workspace ws, cudaStream_t s
   if (Status s = detail::check_shape(p)) return s;
   if (a.keep && !a.log_s_keep) return "rlk cuda: a keep mask needs log_s_keep";
   if (Status s = check_dhidden_dtype(p, a.dhidden_dtype)) return s;
-  const size_t need = backward_workspace_bytes(p, a.logits != nullptr, a.dhidden_dtype);
+  const size_t need = backward_workspace_bytes(p, a.saved_logits != nullptr, a.dhidden_dtype);
   if (ws.bytes < need || (need && !ws.ptr)) return "rlk cuda: backward workspace too small";
   switch (p.dtype) {
     case DType::kF32: return backward_t<float>(p, a, ws, stream);

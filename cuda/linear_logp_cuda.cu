@@ -4,7 +4,7 @@
 //   1. fwd_split_kernel (portable) or the sm90 kernel (linear_logp_sm90.cu): one CTA per
 //      (128-row tile, split); it walks the split's column tiles in order, folds each logit tile into
 //      per-row running (m, s, a) and writes per-(row, split) partials to the workspace. Logits
-//      reach global memory only when the fast backward asks for them (FwdArgs::logits).
+//      reach global memory only when the fast backward asks for them (FwdArgs::saved_logits).
 //   2. finalize_kernel: per (row, chunk), merges the chunk's splits in split order (stats_merge).
 //   3. target_logit_kernel: one warp per row, z_t by a fixed-order dot product.
 // A nucleus (FwdArgs::keep) runs on the portable kernel, which adds the kept ids' sums (sk, ak)
@@ -67,13 +67,13 @@ __device__ __forceinline__ float warp_sum(float x) {
 
 template <typename T> const T* cptr(const void* p) { return static_cast<const T*>(p); }
 
-// What the forward keeps for the fast backward (FwdArgs::logits, KeptLayout), rows of one pass:
+// What the forward keeps for the fast backward (FwdArgs::saved_logits, SavedLayout), rows of one pass:
 // z [rows, v] fp32 for fp32 operands; for 16-bit ones q [rows, v] fp16 and the head [rows, floats].
-template <typename T> using Kept = std::conditional_t<sizeof(T) == 4, float, __half>;
-template <typename T> struct KeptOut {
-  Kept<T>* z = nullptr;  // null: nothing kept
+template <typename T> using Saved = std::conditional_t<sizeof(T) == 4, float, __half>;
+template <typename T> struct SavedOut {
+  Saved<T>* z = nullptr;  // null: nothing saved
   float* head = nullptr;
-  KeptLayout layout;
+  SavedLayout layout;
 };
 // A nucleus, rows of one pass: keep [rows, v] bytes and the splits' kept sums
 // kpart [rows, nsplit, kKeepPartWidth] (null: no nucleus).
@@ -88,9 +88,9 @@ struct Nucleus {
 template <typename T>
 __global__ void __launch_bounds__(kThreads) fwd_split_kernel(
     const T* __restrict__ hidden, const T* __restrict__ weight, const float* __restrict__ bias,
-    const float* __restrict__ temperature, float* __restrict__ part, KeptOut<T> kept, Nucleus nuc, int64_t rows,
+    const float* __restrict__ temperature, float* __restrict__ part, SavedOut<T> saved, Nucleus nuc, int64_t rows,
     int64_t h, int64_t chunk, int64_t spc, int64_t nsplit, int64_t vocab_start, int64_t real_vocab, int64_t v) {
-  constexpr bool kQ = sizeof(T) == 2;  // the kept record holds q, the group maxima and b
+  constexpr bool kQ = sizeof(T) == 2;  // the saved record holds q, the group maxima and b
   extern __shared__ __align__(128) unsigned char smem[];
   float* Cs = reinterpret_cast<float*>(smem);
   const int64_t r0 = int64_t(blockIdx.x) * kBM;
@@ -100,7 +100,7 @@ __global__ void __launch_bounds__(kThreads) fwd_split_kernel(
   const int64_t col_end = min(col0 + kSplitCols, (c + 1) * chunk);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
 
-  const bool keep = kept.z != nullptr;
+  const bool save = saved.z != nullptr;
   float rm[16], rs[16], ra[16], rb[16], rsk[16], rak[16];
   float itemp[16];
 #pragma unroll
@@ -146,21 +146,21 @@ __global__ void __launch_bounds__(kThreads) fwd_split_kernel(
             ex[e] = expf(d);
             s += ex[e];
             a = fmaf(ex[e], d, a);  // explicit: b's products must not change a's rounding
-            if (kQ && keep) b = fmaf(ex[e] * d, d, b);
+            if (kQ && save) b = fmaf(ex[e] * d, d, b);
             if (in_k[e]) { sk += ex[e]; ak = fmaf(ex[e], d, ak); }
           }
         }
       }
-      if (keep && row < rows) {
+      if (save && row < rows) {
 #pragma unroll
         for (int e = 0; e < 4; ++e)
-          if (t0 + lane * 4 + e < col_end) kept.z[row * v + t0 + lane * 4 + e] = from_f<Kept<T>>(kQ ? ex[e] : z[e]);
+          if (t0 + lane * 4 + e < col_end) saved.z[row * v + t0 + lane * 4 + e] = from_f<Saved<T>>(kQ ? ex[e] : z[e]);
         if (kQ && lane == 0)
-          kept.head[row * kept.layout.floats + kept.layout.group_max_at() + kept.layout.group(c, t0, chunk)] = mx;
+          saved.head[row * saved.layout.floats + saved.layout.group_max_at() + saved.layout.group(c, t0, chunk)] = mx;
       }
       s = warp_sum(s);
       a = warp_sum(a);
-      if (kQ && keep) b = warp_sum(b);
+      if (kQ && save) b = warp_sum(b);
       if (nuc.keep) nucleus_merge(mx, s, warp_sum(sk), warp_sum(ak), rm[rr], rs[rr], rsk[rr], rak[rr]);
       moments_merge(mx, s, a, b, rm[rr], rs[rr], ra[rr], rb[rr]);
     }
@@ -182,11 +182,11 @@ __global__ void __launch_bounds__(kThreads) fwd_split_kernel(
   }
 }
 
-// Per (row, chunk): merge the chunk's splits in order; with a kept head, also its moments there;
+// Per (row, chunk): merge the chunk's splits in order; with a saved head, also its moments there;
 // with a nucleus (kpart), its kept sum into keep_sum [rows, nchunks].
 __global__ void finalize_kernel(const float* __restrict__ part, const float* __restrict__ kpart,
                                 float* __restrict__ stats, float* __restrict__ keep_sum, float* __restrict__ head,
-                                KeptLayout layout, int64_t rows, int64_t nchunks, int64_t spc) {
+                                SavedLayout layout, int64_t rows, int64_t nchunks, int64_t spc) {
   const int64_t idx = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (idx >= rows * nchunks) return;
   const int64_t row = idx / nchunks, c = idx % nchunks, first = row * nchunks * spc + c * spc;
@@ -231,13 +231,13 @@ __device__ __forceinline__ void load_piece(const T* r, int64_t k0, int64_t h, bo
 // z_t per row by one warp: a fixed-order dot product. Lane l sums the pieces of kDotPiece elements
 // l, l + 32, l + 64, ... (in order within a piece), then a butterfly: an order set by h alone, the
 // same whether a piece comes by 16-byte loads (both rows 16-byte aligned) or element by element.
-// With a kept head (16-bit operands), also z_t and the head's zero padding there.
+// With a saved head (16-bit operands), also z_t and the head's zero padding there.
 template <typename T>
 __global__ void target_logit_kernel(const T* __restrict__ hidden, const T* __restrict__ weight,
                                     const float* __restrict__ bias, const int32_t* __restrict__ targets,
                                     const float* __restrict__ temperature, const uint8_t* __restrict__ keep,
                                     float* __restrict__ out, float* __restrict__ head,
-                                    KeptLayout layout, int64_t n, int64_t h, int64_t v, int64_t vocab_start,
+                                    SavedLayout layout, int64_t n, int64_t h, int64_t v, int64_t vocab_start,
                                     int64_t real_vocab, int64_t ignore_index) {
   const int64_t row = int64_t(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
@@ -280,13 +280,13 @@ template <typename K> cudaError_t set_smem(K kernel, size_t bytes) {
 
 template <typename T>
 Status forward_portable_partials(const Problem& p, const T* hidden, int64_t rows, const T* weight,
-                                 const float* bias, const float* temperature, float* part, KeptOut<T> kept,
+                                 const float* bias, const float* temperature, float* part, SavedOut<T> saved,
                                  Nucleus nuc, cudaStream_t st) {
   constexpr size_t smem = GemmSmem<T>::BYTES;
   // Set on every call (cheap, host-only, legal under stream capture): the attribute is per device.
   if (set_smem(fwd_split_kernel<T>, smem) != cudaSuccess) return "rlk cuda: cudaFuncSetAttribute failed (forward)";
   const dim3 grid(unsigned((rows + kBM - 1) / kBM), unsigned(total_splits(p)));
-  fwd_split_kernel<T><<<grid, kThreads, smem, st>>>(hidden, weight, bias, temperature, part, kept, nuc, rows, p.h, p.chunk,
+  fwd_split_kernel<T><<<grid, kThreads, smem, st>>>(hidden, weight, bias, temperature, part, saved, nuc, rows, p.h, p.chunk,
                                                     splits_per_chunk(p.chunk), total_splits(p),
                                                     p.vocab_start, p.real_vocab, p.v);
   RLK_CHECK_LAUNCH("rlk cuda: forward kernel launch failed");
@@ -304,36 +304,36 @@ Status forward_t(const Problem& p, const FwdArgs& a, Workspace ws, cudaStream_t 
   const int64_t K = num_chunks(p);
   float* part = static_cast<float*>(ws.ptr);
   float* kpart = part + R * total_splits(p) * kPartWidth;
-  const KeptRows kr = a.logits ? kept_rows(p, a.logits) : KeptRows{nullptr, nullptr};
-  const KeptLayout layout(p);
+  const SavedRows kr = a.saved_logits ? saved_rows(p, a.saved_logits) : SavedRows{nullptr, nullptr};
+  const SavedLayout layout(p);
   for (int64_t r0 = 0; r0 < p.n; r0 += R) {
     const int64_t rows = p.n - r0 < R ? p.n - r0 : R;
     Status s = nullptr;
-    KeptOut<T> kept;
+    SavedOut<T> saved;
     Nucleus nuc;
     if (a.keep) nuc = {a.keep + r0 * p.v, kpart};
     if (kr.z) {
-      kept.z = static_cast<Kept<T>*>(kr.z) + r0 * p.v;
-      kept.head = kr.head ? kr.head + r0 * layout.floats : nullptr;
-      kept.layout = layout;
+      saved.z = static_cast<Saved<T>*>(kr.z) + r0 * p.v;
+      saved.head = kr.head ? kr.head + r0 * layout.floats : nullptr;
+      saved.layout = layout;
     }
 #if RLK_HAVE_SM90
     if (be == Backend::kCudaSm90) {
-      s = sm90_forward_partials(p, H + r0 * p.h, rows, a.weight, B, a.temperature + r0, part, kept.z, kept.head, st);
+      s = sm90_forward_partials(p, H + r0 * p.h, rows, a.weight, B, a.temperature + r0, part, saved.z, saved.head, st);
       if (s == kSm90Misaligned) {  // TMA needs 16-byte aligned bases: the portable kernel takes it
         be = Backend::kCudaPortable;
         if (ran) *ran = be;
-        s = forward_portable_partials<T>(p, H + r0 * p.h, rows, W, B, a.temperature + r0, part, kept, nuc, st);
+        s = forward_portable_partials<T>(p, H + r0 * p.h, rows, W, B, a.temperature + r0, part, saved, nuc, st);
       }
     } else
 #endif
     {
-      s = forward_portable_partials<T>(p, H + r0 * p.h, rows, W, B, a.temperature + r0, part, kept, nuc, st);
+      s = forward_portable_partials<T>(p, H + r0 * p.h, rows, W, B, a.temperature + r0, part, saved, nuc, st);
     }
     if (s) return s;
     const int64_t tot = rows * K;
     finalize_kernel<<<unsigned((tot + 255) / 256), 256, 0, st>>>(
-        part, nuc.kpart, a.stats + r0 * K * kStatWidth, a.keep ? a.keep_sum + r0 * K : nullptr, kept.head, layout, rows,
+        part, nuc.kpart, a.stats + r0 * K * kStatWidth, a.keep ? a.keep_sum + r0 * K : nullptr, saved.head, layout, rows,
         K, splits_per_chunk(p.chunk));
     RLK_CHECK_LAUNCH("rlk cuda: finalize kernel launch failed");
   }

@@ -9,7 +9,7 @@
 //   tile_scheduler.cuh  which (128-row tile, split) unit a CTA computes, in an L2-friendly order;
 //   mainloop.cuh        the producer (TMA into a ring of stages) and the consumers (wgmma into
 //                       fp32 registers), synchronised by "full" and "empty" mbarriers;
-//   epilogue.cuh        what becomes of each logit tile: statistics, the kept record or dlogit, and
+//   epilogue.cuh        what becomes of each logit tile: statistics, the saved record or dlogit, and
 //                       the tile store (stmatrix + TMA store) of the 2-byte outputs;
 //   ptx.cuh             the inline-PTX instructions they use.
 // Per-(row, split) partials go to the workspace; the finalize kernel of linear_logp_cuda.cu merges
@@ -38,7 +38,7 @@ namespace rlk::cuda::detail {
 namespace {
 using namespace sm90;
 
-static_assert(KeptLayout::kGroupCols * 2 == kBN, "a tile's max serves both kept groups of the tile");
+static_assert(SavedLayout::kGroupCols * 2 == kBN, "a tile's max serves both saved groups of the tile");
 
 // Shared memory: the stage ring, the tile store's staging and the mbarriers.
 constexpr int kSmemBytes = kStages * kStageBytes + kStagingBytes + 1024 /*alignment*/ + 256 /*barriers*/;
@@ -79,7 +79,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     const float itA = (rowA < P.rows ? reciprocal(P.temperature[rowA]) : 1.f) * kLog2e;
     const float itB = (rowB < P.rows ? reciprocal(P.temperature[rowB]) : 1.f) * kLog2e;
     RowState<kEpi> st;
-    if constexpr (kEpi == Epi::kKeep)  // row A's group maxima from the unit's first group
+    if constexpr (kEpi == Epi::kSave)  // row A's group maxima from the unit's first group
       if (rowA < P.rows) {
         const int64_t c = u.cu / P.spc;
         st.gmax = G.head + rowA * G.layout.floats + G.layout.group_max_at() + G.layout.group(c, u.col0, P.chunk);
@@ -117,7 +117,7 @@ const char* ensure_encode() {
 
 // A row-major 2-D tensor of 2-byte elements: `outer` rows of `inner` elements, row stride ld
 // elements, moved in boxes of box_inner x box_outer with the 128-byte swizzle. The operands are
-// K-major (inner = K, box_inner = kBK); the kept record's q is [rows, v] (box 64 x 64).
+// K-major (inner = K, box_inner = kBK); the saved record's q is [rows, v] (box 64 x 64).
 bool make_map(CUtensorMap* m, CUtensorMapDataType type, const void* ptr, int64_t inner, int64_t outer, int64_t ld,
               uint32_t box_inner, uint32_t box_outer) {
   const cuuint64_t dims[2] = {cuuint64_t(inner), cuuint64_t(outer)};
@@ -171,17 +171,17 @@ void set_out(Params* P, CUtensorMap* mo, CUtensorMapDataType type, void* out, in
 }  // namespace
 
 const char* sm90_forward_partials(const Problem& p, const void* hidden, int64_t rows, const void* weight,
-                                  const float* bias, const float* temperature, float* part, void* kept_q,
-                                  float* kept_head, cudaStream_t stream) {
+                                  const float* bias, const float* temperature, float* part, void* saved_q,
+                                  float* saved_head, cudaStream_t stream) {
   CUtensorMap ma, mb, mo{};
   Params P;
   if (const char* e = setup(p, hidden, rows, weight, bias, temperature, kSplitCols, &ma, &mb, &P)) return e;
   P.part = part;
   const int64_t units = P.row_tiles * P.nsplit;
-  if (!kept_head) return launch<Epi::kStats>(p.dtype == DType::kBF16, ma, mb, mo, P, {}, units, stream);
-  set_out(&P, &mo, CU_TENSOR_MAP_DATA_TYPE_FLOAT16, kept_q, p.v, p.v, p.chunk);
-  const KeepRows K{kept_head, KeptLayout(p)};
-  return launch<Epi::kKeep>(p.dtype == DType::kBF16, ma, mb, mo, P, K, units, stream);
+  if (!saved_head) return launch<Epi::kStats>(p.dtype == DType::kBF16, ma, mb, mo, P, {}, units, stream);
+  set_out(&P, &mo, CU_TENSOR_MAP_DATA_TYPE_FLOAT16, saved_q, p.v, p.v, p.chunk);
+  const SaveRows K{saved_head, SavedLayout(p)};
+  return launch<Epi::kSave>(p.dtype == DType::kBF16, ma, mb, mo, P, K, units, stream);
 }
 
 const char* sm90_dlogit(const Problem& p, const BwdArgs& a, int64_t rows, void* dlog, int64_t ldd, float* dzz,

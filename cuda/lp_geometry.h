@@ -18,8 +18,8 @@ namespace detail {
 // other rows (batch invariance). The per-(row, split) partials are merged per chunk, in split
 // order, by the finalize kernel. Both forward kernels (portable and sm90) use this geometry.
 constexpr int64_t kSplitCols = 1024;  // a multiple of the sm90 kernel's 256-column tile
-// A split's partials: the chunk statistics' (m, s, a) and the kept record's moment b (moments_merge;
-// 0 when nothing is kept).
+// A split's partials: the chunk statistics' (m, s, a) and the saved record's moment b (moments_merge;
+// 0 when nothing is saved).
 constexpr int kPartWidth = 4;
 // With a nucleus (FwdArgs::keep; the portable kernel), a split's kept sums (sk, ak) in a second
 // array of the workspace (nucleus_merge).

@@ -37,12 +37,12 @@ bool sm90_enabled();
 #if RLK_HAVE_SM90
 extern const char* const kSm90Misaligned;  // returned when TMA cannot take the pointers
 // The Hopper forward: fills part[rows, total_splits, kPartWidth] for rows [0, rows) of the given
-// hidden pointer (already offset to the pass's first row) and, when `kept_head` is not null, the
-// kept record's q (fp16, row stride p.v) and group maxima (linear_logp_cuda.h, KeptLayout; both
+// hidden pointer (already offset to the pass's first row) and, when `saved_head` is not null, the
+// saved record's q (fp16, row stride p.v) and group maxima (linear_logp_cuda.h, SavedLayout; both
 // offset likewise). Returns nullptr or a static error.
 const char* sm90_forward_partials(const Problem& p, const void* hidden, int64_t rows, const void* weight,
-                                  const float* bias, const float* temperature, float* part, void* kept_q,
-                                  float* kept_head, cudaStream_t stream);
+                                  const float* bias, const float* temperature, float* part, void* saved_q,
+                                  float* saved_head, cudaStream_t stream);
 // The lean backward's recompute on the same kernel: for rows [0, rows) of a.hidden (already offset,
 // as are the per-row pointers of a) against the p.v rows of a.weight (the piece; p.vocab_start is
 // its first global id, p.chunk == p.v), dlogit = dz / T in p.dtype into dlog [rows, p.v] (row

@@ -31,7 +31,8 @@ Status cpu_guarded(Call&& call) {
 
 // Counted after the kernel ran and succeeded: a call its checks reject is not counted.
 struct CpuExec {
-  size_t kept_bytes(const Problem& p) const { return cpu::kept_bytes(p); }
+  static size_t saved_logits_bytes(const Problem& p) { return cpu::saved_logits_bytes(p); }
+  void use_workspace(void*, size_t) {}  // the CPU backend allocates its own scratch
   Status forward(const Problem& p, const FwdArgs& a) {
     const Status s = cpu_guarded([&] { return cpu::forward(p, a); });
     if (!s) count_call(Backend::kCpu, false, p.n);
@@ -42,18 +43,19 @@ struct CpuExec {
   }
   Status backward(const Problem& p, const BwdArgs& a) {
     const Status s = cpu_guarded([&] { return cpu::backward(p, a); });
-    if (!s) count_call(Backend::kCpu, true, p.n, a.logits != nullptr);
+    if (!s) count_call(Backend::kCpu, true, p.n, a.saved_logits != nullptr);
     return s;
   }
 };
 
 #if RLK_HAVE_CUDA
-// Asynchronous on `stream`; scratch is the caller's (`ws`), checked against what the call needs.
+// Asynchronous on `stream`; scratch is the caller's (use_workspace), checked against what the call needs.
 struct CudaExec {
   cudaStream_t stream;
-  cuda::Workspace ws;
+  cuda::Workspace ws{};
 
-  size_t kept_bytes(const Problem& p) const { return cuda::kept_bytes(p); }
+  static size_t saved_logits_bytes(const Problem& p) { return cuda::saved_logits_bytes(p); }
+  void use_workspace(void* data, size_t bytes) { ws = {data, bytes}; }
 
   Status forward(const Problem& p, const FwdArgs& a) {
     Backend ran = Backend::kCudaPortable;
@@ -64,7 +66,7 @@ struct CudaExec {
   Status combine(const CombineArgs& a) { return cuda::combine(a, stream); }
   Status backward(const Problem& p, const BwdArgs& a) {
     Status s = cuda::backward(p, a, ws, stream);
-    if (!s) count_call(Backend::kCudaBlas, true, p.n, a.logits != nullptr);
+    if (!s) count_call(Backend::kCudaBlas, true, p.n, a.saved_logits != nullptr);
     return s;
   }
 };

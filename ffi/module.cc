@@ -16,23 +16,21 @@
 
 #if RLK_HAVE_XLA_FFI
 #include "xla/ffi/api/c_api.h"
+// handlers_cpu.cc and handlers_cuda.cc: each platform's three targets (handlers.h).
 extern "C" {
 XLA_FFI_Error* RlkForwardCpu(XLA_FFI_CallFrame*);
-XLA_FFI_Error* RlkForwardKeepCpu(XLA_FFI_CallFrame*);
 XLA_FFI_Error* RlkCombineCpu(XLA_FFI_CallFrame*);
 XLA_FFI_Error* RlkBackwardCpu(XLA_FFI_CallFrame*);
-XLA_FFI_Error* RlkBackwardFastCpu(XLA_FFI_CallFrame*);
 #if RLK_HAVE_CUDA
 XLA_FFI_Error* RlkForwardCuda(XLA_FFI_CallFrame*);
-XLA_FFI_Error* RlkForwardKeepCuda(XLA_FFI_CallFrame*);
 XLA_FFI_Error* RlkCombineCuda(XLA_FFI_CallFrame*);
 XLA_FFI_Error* RlkBackwardCuda(XLA_FFI_CallFrame*);
-XLA_FFI_Error* RlkBackwardFastCuda(XLA_FFI_CallFrame*);
 #endif
 }
 #endif
 
 #include "exec.h"
+#include "io.h"
 
 namespace nb = nanobind;
 
@@ -42,12 +40,10 @@ namespace {
 using Handler = XLA_FFI_Error*(XLA_FFI_CallFrame*);
 
 // One platform's FFI targets, by the names the frontend calls them.
-nb::dict targets(Handler* forward, Handler* forward_keep, Handler* combine, Handler* backward,
-                 Handler* backward_fast) {
+nb::dict targets(Handler* forward, Handler* combine, Handler* backward) {
   nb::dict d;
-  const std::pair<const char*, Handler*> named[] = {{"rlk_forward", forward}, {"rlk_forward_keep", forward_keep},
-                                                    {"rlk_combine", combine}, {"rlk_backward", backward},
-                                                    {"rlk_backward_fast", backward_fast}};
+  const std::pair<const char*, Handler*> named[] = {
+      {"rlk_forward", forward}, {"rlk_combine", combine}, {"rlk_backward", backward}};
   for (const auto& [name, fn] : named) d[name] = nb::capsule(reinterpret_cast<void*>(fn));
   return d;
 }
@@ -68,238 +64,177 @@ rlk::Problem shape_problem(int64_t n, int64_t h, int64_t v, int64_t chunk, rlk::
 }
 
 // ---- DLPack entry points (torch_bridge) ---------------------------------------------------------
-// Arrays arrive through DLPack (nb::ndarray, no conversion: a wrong dtype or layout is an error,
-// never a silent copy). Outputs and scratch are allocated by the caller (torch's allocator); the
-// CUDA calls run on the caller's stream.
+// Keyword arguments only: a stage's buffers by their names in its table (io.h), None or absent for
+// one not given, and the attributes of io::Attrs by name. Arrays arrive through DLPack (nb::ndarray,
+// no conversion: a wrong dtype or layout is an error, never a silent copy). Outputs and scratch are
+// allocated by the caller (torch's allocator); the CUDA calls run on the caller's `stream`. The
+// checks, the Problem and the run are io.h's, the XLA FFI handlers' own.
 using Array = nb::ndarray<nb::c_contig>;
 
-rlk::DType dtype_of(const Array& a, const char* name) {
+rlk::io::Elem elem_of(const Array& a) {
+  using rlk::io::Elem;
   const nb::dlpack::dtype t = a.dtype();
-  if (t == nb::dtype<float>()) return rlk::DType::kF32;
-  if (t.code == uint8_t(nb::dlpack::dtype_code::Bfloat) && t.bits == 16) return rlk::DType::kBF16;
-  if (t.code == uint8_t(nb::dlpack::dtype_code::Float) && t.bits == 16) return rlk::DType::kF16;
-  throw std::invalid_argument(std::string("rlk: ") + name + " must be float32, float16 or bfloat16");
+  if (t == nb::dtype<float>()) return Elem::kF32;
+  if (t.code == uint8_t(nb::dlpack::dtype_code::Bfloat) && t.bits == 16) return Elem::kBF16;
+  if (t.code == uint8_t(nb::dlpack::dtype_code::Float) && t.bits == 16) return Elem::kF16;
+  if (t == nb::dtype<int32_t>()) return Elem::kS32;
+  if (t == nb::dtype<uint8_t>()) return Elem::kU8;
+  return Elem::kOther;
 }
 
-void expect(const Array& a, nb::dlpack::dtype t, std::initializer_list<int64_t> shape, int device, const char* name) {
-  bool ok = a.dtype() == t && a.ndim() == shape.size() && a.device_type() == device;
-  size_t i = 0;
-  for (int64_t d : shape) ok = ok && int64_t(a.shape(i++)) == d;
-  if (!ok) throw std::invalid_argument(std::string("rlk: ") + name + " has the wrong dtype, shape or device");
-}
+// io's Attrs by name (RLK_ATTRS), and the CUDA stream. A DLPack call knows has_bias from its bias,
+// and the backward with_entropy from its entropy and e: what it passes of those is overridden.
+#define RLK_ATTR_ENTRY(name) std::pair<const char*, int64_t rlk::io::Attrs::*>{#name, &rlk::io::Attrs::name}
+constexpr std::pair<const char*, int64_t rlk::io::Attrs::*> kAttrs[] = {RLK_ATTRS(RLK_ATTR_ENTRY)};
 
-struct Call {
-  rlk::Problem p;
-  int device;
+struct DlCall {
+  rlk::io::Attrs at{0, 0, 0, -100, 0, 0};
+  uintptr_t stream = 0;
 };
 
-Call make_call(const Array& hidden, const Array& weight, const std::optional<Array>& bias, const Array& targets,
-               const Array& temperature, int64_t vocab_start, int64_t real_vocab, int64_t chunk, int64_t ignore_index,
-               bool with_entropy) {
-  Call c;
-  c.device = hidden.device_type();
-  if (c.device != nb::device::cpu::value && c.device != nb::device::cuda::value)
-    throw std::invalid_argument("rlk: tensors must be on the CPU or a CUDA device");
-  if (hidden.ndim() != 2 || weight.ndim() != 2) throw std::invalid_argument("rlk: hidden and weight must be 2-D");
-  rlk::Problem& p = c.p;
-  p.dtype = dtype_of(hidden, "hidden");
-  p.n = int64_t(hidden.shape(0));
-  p.h = int64_t(hidden.shape(1));
-  p.v = int64_t(weight.shape(0));
-  expect(weight, hidden.dtype(), {p.v, p.h}, c.device, "weight");
-  if (bias) expect(*bias, nb::dtype<float>(), {p.v}, c.device, "bias");
-  expect(targets, nb::dtype<int32_t>(), {p.n}, c.device, "targets");
-  expect(temperature, nb::dtype<float>(), {p.n}, c.device, "temperature");
-  p.vocab_start = vocab_start;
-  p.real_vocab = real_vocab;
-  p.chunk = chunk;
-  p.ignore_index = ignore_index;
-  p.has_bias = bias.has_value();
-  p.with_entropy = with_entropy;
-  if (chunk <= 0 || p.v % chunk != 0) throw std::invalid_argument("rlk: chunk must divide the local vocab");
+template <class IO>
+DlCall from_kwargs(IO& io, const nb::kwargs& kw) {
+  DlCall c;
+  size_t used = 0;
+  for (const auto& [name, member] : kAttrs) {
+    if (!kw.contains(name)) continue;
+    ++used;
+    nb::handle v = kw[name];
+    c.at.*member = nb::isinstance<nb::bool_>(v) ? int64_t(nb::cast<bool>(v)) : nb::cast<int64_t>(v);
+  }
+  if (kw.contains("stream")) c.stream = nb::cast<uintptr_t>(kw["stream"]), ++used;
+  for (const auto& f : rlk::io::fields<IO>()) {
+    if (!(f.flags & rlk::io::kDl) || !kw.contains(f.name)) continue;
+    ++used;
+    nb::handle v = kw[f.name];
+    if (v.is_none()) continue;
+    Array a;
+    if (!nb::try_cast(v, a, /*convert=*/false))
+      throw std::invalid_argument(std::string("rlk: ") + f.name + " must be a C-contiguous array (DLPack)");
+    rlk::io::Buf& b = io.*f.member;
+    b.given = true;
+    b.elem = elem_of(a);
+    for (size_t d = 0; d < a.ndim(); ++d) b.dims.push_back(int64_t(a.shape(d)));
+    b.data = static_cast<char*>(a.data());
+    b.elem_bytes = a.itemsize();
+    b.device = a.device_type();
+  }
+  if (used != kw.size()) throw std::invalid_argument("rlk: an unknown keyword argument (the stage's table, io.h)");
+  if (rlk::io::Fail f = rlk::io::split_all(io)) throw std::invalid_argument(f.what);
   return c;
+}
+
+// Run the stage on the executor of `device` (its arrays' device type): the XLA FFI's executors.
+template <class IO>
+void run_dl(IO& io, const DlCall& c, int device) {
+  auto raise = [](const rlk::io::Fail& f) {
+    if (f.kind == rlk::io::Fail::kInvalid) throw std::invalid_argument(f.what);
+    if (f) throw std::runtime_error(f.what);
+  };
+  if (device == nb::device::cpu::value) {
+    rlk::io::Fail f;
+    {
+      nb::gil_scoped_release nogil;
+      rlk::CpuExec ex;
+      f = rlk::io::run(ex, io, c.at, /*batched=*/false);
+    }
+    return raise(f);
+  }
+  if (device != nb::device::cuda::value) throw std::invalid_argument("rlk: tensors must be on the CPU or a CUDA device");
+#if RLK_HAVE_CUDA
+  rlk::CudaExec ex{reinterpret_cast<cudaStream_t>(c.stream)};
+  raise(rlk::io::run(ex, io, c.at, /*batched=*/false));
+#else
+  (void)c;
+  throw std::invalid_argument("rlk: this build has no CUDA backend");
+#endif
+}
+
+void dl_forward(const nb::kwargs& kw) {
+  rlk::io::ForwardIO io;
+  DlCall c = from_kwargs(io, kw);
+  c.at.has_bias = io.bias.given;
+  run_dl(io, c, io.hidden.device);
+}
+
+void dl_combine(const nb::kwargs& kw) {
+  rlk::io::CombineIO io;
+  const DlCall c = from_kwargs(io, kw);
+  run_dl(io, c, io.stats.device);
+}
+
+void dl_backward(const nb::kwargs& kw) {
+  rlk::io::BackwardIO io;
+  DlCall c = from_kwargs(io, kw);
+  c.at.has_bias = io.bias.given;
+  c.at.with_entropy = io.entropy.given && io.e.given;
+  run_dl(io, c, io.hidden.device);
+}
+
+// The saved logits' bytes on a device (nb::device::cpu or cuda) for this problem.
+size_t saved_logits_bytes_on(int device, const rlk::Problem& p) {
+  if (device == nb::device::cpu::value) return rlk::cpu::saved_logits_bytes(p);
+#if RLK_HAVE_CUDA
+  return rlk::cuda::saved_logits_bytes(p);
+#else
+  throw std::invalid_argument("rlk: this build has no CUDA backend");
+#endif
 }
 
 void check(rlk::Status s) {
   if (s) throw std::runtime_error(s);
 }
 
-// Run `call(executor)` on the arrays' device: the same executors as the XLA FFI handlers.
-template <class Call>
-void run_on(int device, const std::optional<Array>& workspace, uintptr_t stream, Call&& call) {
-  if (device == nb::device::cpu::value) {
-    nb::gil_scoped_release nogil;
-    rlk::CpuExec ex;
-    check(call(ex));
-    return;
-  }
-#if RLK_HAVE_CUDA
-  rlk::CudaExec ex{reinterpret_cast<cudaStream_t>(stream),
-                   workspace ? rlk::cuda::Workspace{workspace->data(), workspace->nbytes()} : rlk::cuda::Workspace{}};
-  check(call(ex));
-#else
-  (void)workspace, (void)stream;
-  throw std::invalid_argument("rlk: this build has no CUDA backend");
+// ---- What this build supports ------------------------------------------------------------------
+#ifndef RLK_HAVE_SM90
+#define RLK_HAVE_SM90 0
 #endif
+constexpr const char* kNoCuda = "this build of _rlk_core has no CUDA backend (built without nvcc, or with RLK_CUDA=OFF)";
+
+// A kernel (a route counter's name) and why it cannot run, "" if it can (as far as the build knows:
+// the CUDA forward's sm90-or-portable choice is made per call, on the device, by forward_backend).
+nb::dict kernel(const char* reason_if_not, bool built) {
+  nb::dict k;
+  k["supported"] = built;
+  k["reason"] = built ? nb::object(nb::none()) : nb::object(nb::str(reason_if_not));
+  return k;
 }
 
-// The kept buffer's bytes on a device (nb::device::cpu or cuda) for this problem.
-size_t kept_bytes_on(int device, const rlk::Problem& p) {
-  if (device == nb::device::cpu::value) return rlk::cpu::kept_bytes(p);
-#if RLK_HAVE_CUDA
-  return rlk::cuda::kept_bytes(p);
-#else
-  throw std::invalid_argument("rlk: this build has no CUDA backend");
-#endif
+// One platform: its name in each frontend and what of it this build runs, with the reasons.
+nb::dict platform(const char* name, const char* xla, const char* jax_backend, const char* jax_lowering,
+                  int dlpack_device, bool workspace, bool built, const char* reason_if_not, nb::dict kernels) {
+  nb::dict d;
+  d["name"] = name;                  // saved_logits_bytes' device, rlk_common's key; torch's device type
+  d["xla_platform"] = xla;           // jax.ffi.register_ffi_target's platform
+  d["jax_backend"] = jax_backend;    // jax.default_backend() on it
+  d["jax_lowering"] = jax_lowering;  // lax.platform_dependent's keyword
+  d["dlpack_device"] = dlpack_device;
+  d["workspace"] = workspace;        // its calls take scratch of cuda_workspace_bytes
+  d["supported"] = built;
+  d["reason"] = built ? nb::object(nb::none()) : nb::object(nb::str(reason_if_not));
+  d["kernels"] = kernels;
+  return d;
 }
 
-// The kept buffer: uint8 [kept_bytes] on the call's device.
-void* kept_of(const std::optional<Array>& logits, const Call& c) {
-  if (!logits) return nullptr;
-  expect(*logits, nb::dtype<uint8_t>(), {int64_t(kept_bytes_on(c.device, c.p))}, c.device,
-         "logits (the kept buffer: uint8 [kept_bytes])");
-  return logits->data();
+nb::dict platforms() {
+  nb::dict cpu_kernels, cuda_kernels, out;
+  cpu_kernels[rlk::backend_name(rlk::Backend::kCpu)] = kernel("", true);
+  cuda_kernels[rlk::backend_name(rlk::Backend::kCudaSm90)] = kernel(
+      RLK_HAVE_CUDA ? "built without the SM90 fast path (nvcc < 12 or RLK_SM90=OFF)" : kNoCuda,
+      RLK_HAVE_CUDA && RLK_HAVE_SM90);
+  cuda_kernels[rlk::backend_name(rlk::Backend::kCudaPortable)] = kernel(kNoCuda, RLK_HAVE_CUDA);
+  cuda_kernels[rlk::backend_name(rlk::Backend::kCudaBlas)] = kernel(kNoCuda, RLK_HAVE_CUDA);
+  out["cpu"] = platform("cpu", "cpu", "cpu", "cpu", nb::device::cpu::value, false, true, "", cpu_kernels);
+  out["cuda"] = platform("cuda", "CUDA", "gpu", "cuda", nb::device::cuda::value, true, RLK_HAVE_CUDA, kNoCuda,
+                         cuda_kernels);
+  return out;
 }
 
-// A top-p nucleus: uint8 [n, v] (torch passes its bool mask viewed as uint8) on `device`, or null.
-const uint8_t* keep_of(const std::optional<Array>& keep, int64_t n, int64_t v, int device) {
-  if (!keep) return nullptr;
-  expect(*keep, nb::dtype<uint8_t>(), {n, v}, device, "keep (the nucleus: uint8 [n, v_local])");
-  return static_cast<const uint8_t*>(keep->data());
-}
-
-// The combine of `stats` [n, k, kStatWidth] into logp, entropy, m and log_s [n] (all f32 on `device`);
-// with keep_sum [n, k] the nucleus's logp, and its log_s_keep [n] into `log_s_keep`.
-rlk::CombineArgs combine_args(const Array& stats, const Array& target_logit, const Array& targets, const Array& logp,
-                              const Array& entropy, const Array& m, const Array& log_s,
-                              const std::optional<Array>& keep_sum, const std::optional<Array>& log_s_keep,
-                              int64_t real_vocab, int64_t ignore_index, int device) {
-  if (stats.ndim() != 3 || stats.shape(2) != size_t(rlk::kStatWidth))
-    throw std::invalid_argument("rlk: stats must be [n, chunks, 3]");
-  rlk::CombineArgs a;
-  a.n = int64_t(stats.shape(0));
-  a.k = int64_t(stats.shape(1));
-  expect(stats, nb::dtype<float>(), {a.n, a.k, rlk::kStatWidth}, device, "stats");
-  expect(target_logit, nb::dtype<float>(), {a.n}, device, "target_logit");
-  expect(targets, nb::dtype<int32_t>(), {a.n}, device, "targets");
-  for (const Array* o : {&logp, &entropy, &m, &log_s}) expect(*o, nb::dtype<float>(), {a.n}, device, "combine output");
-  if (keep_sum.has_value() != log_s_keep.has_value())
-    throw std::invalid_argument("rlk: keep_sum and log_s_keep come together");
-  if (keep_sum) {
-    expect(*keep_sum, nb::dtype<float>(), {a.n, a.k}, device, "keep_sum");
-    expect(*log_s_keep, nb::dtype<float>(), {a.n}, device, "log_s_keep");
-    a.keep_sum = static_cast<const float*>(keep_sum->data());
-    a.log_s_keep = static_cast<float*>(log_s_keep->data());
-  }
-  a.real_vocab = real_vocab;
-  a.ignore_index = ignore_index;
-  a.stats = static_cast<const float*>(stats.data());
-  a.target_logit = static_cast<const float*>(target_logit.data());
-  a.targets = static_cast<const int32_t*>(targets.data());
-  a.logp = static_cast<float*>(logp.data());
-  a.entropy = static_cast<float*>(entropy.data());
-  a.m = static_cast<float*>(m.data());
-  a.log_s = static_cast<float*>(log_s.data());
-  return a;
-}
-
-// The forward statistics and, when logp, entropy, m and log_s are given (a call over the whole vocab),
-// their combine in the same call: one entry point per single-shard forward keeps the host's share
-// of a small call low. With keep (a nucleus) also keep_sum, and log_s_keep when combining.
-void dl_forward(Array hidden, Array weight, std::optional<Array> bias, Array targets, Array temperature, Array stats,
-                Array target_logit, std::optional<Array> logits, std::optional<Array> workspace, int64_t vocab_start,
-                int64_t real_vocab, int64_t chunk, int64_t ignore_index, bool with_entropy, uintptr_t stream,
-                std::optional<Array> logp, std::optional<Array> entropy, std::optional<Array> m,
-                std::optional<Array> log_s, std::optional<Array> keep, std::optional<Array> keep_sum,
-                std::optional<Array> log_s_keep) {
-  const Call c = make_call(hidden, weight, bias, targets, temperature, vocab_start, real_vocab, chunk, ignore_index,
-                           with_entropy);
-  expect(stats, nb::dtype<float>(), {c.p.n, rlk::num_chunks(c.p), rlk::kStatWidth}, c.device, "stats");
-  expect(target_logit, nb::dtype<float>(), {c.p.n}, c.device, "target_logit");
-  const bool combine = logp.has_value();
-  if (combine != entropy.has_value() || combine != m.has_value() || combine != log_s.has_value())
-    throw std::invalid_argument("rlk: logp, entropy, m and log_s come together");
-  if (combine && (vocab_start != 0 || c.p.v < real_vocab))
-    throw std::invalid_argument("rlk: the forward combines only a call over the whole vocab");
-  if (keep.has_value() != keep_sum.has_value()) throw std::invalid_argument("rlk: keep and keep_sum come together");
-  if (keep_sum) expect(*keep_sum, nb::dtype<float>(), {c.p.n, rlk::num_chunks(c.p)}, c.device, "keep_sum");
-  rlk::FwdArgs a;
-  a.hidden = hidden.data();
-  a.weight = weight.data();
-  a.bias = bias ? static_cast<const float*>(bias->data()) : nullptr;
-  a.targets = static_cast<const int32_t*>(targets.data());
-  a.temperature = static_cast<const float*>(temperature.data());
-  a.stats = static_cast<float*>(stats.data());
-  a.target_logit = static_cast<float*>(target_logit.data());
-  a.keep = keep_of(keep, c.p.n, c.p.v, c.device);
-  a.keep_sum = keep_sum ? static_cast<float*>(keep_sum->data()) : nullptr;
-  a.logits = kept_of(logits, c);
-  if (log_s_keep.has_value() != (combine && keep.has_value()))
-    throw std::invalid_argument("rlk: log_s_keep comes with keep in a combining forward");
-  const rlk::CombineArgs ca =
-      combine ? combine_args(stats, target_logit, targets, *logp, *entropy, *m, *log_s, keep_sum, log_s_keep,
-                             real_vocab, ignore_index, c.device)
-              : rlk::CombineArgs{};
-  run_on(c.device, workspace, stream, [&](auto& ex) {
-    if (rlk::Status s = ex.forward(c.p, a)) return s;
-    return combine ? ex.combine(ca) : rlk::Status{};
-  });
-}
-
-void dl_combine(Array stats, Array target_logit, Array targets, Array logp, Array entropy, Array m, Array log_s,
-                int64_t real_vocab, int64_t ignore_index, uintptr_t stream, std::optional<Array> keep_sum,
-                std::optional<Array> log_s_keep) {
-  const rlk::CombineArgs a = combine_args(stats, target_logit, targets, logp, entropy, m, log_s, keep_sum, log_s_keep,
-                                          real_vocab, ignore_index, stats.device_type());
-  run_on(stats.device_type(), std::nullopt, stream, [&](auto& ex) { return ex.combine(a); });
-}
-
-void dl_backward(Array hidden, Array weight, std::optional<Array> bias, Array targets, Array temperature, Array m,
-                 Array log_s,
-                 std::optional<Array> entropy, Array g, std::optional<Array> e, std::optional<Array> logits,
-                 Array dhidden, Array dweight,
-                 std::optional<Array> dbias, Array dtemp, std::optional<Array> workspace, int64_t vocab_start,
-                 int64_t real_vocab, int64_t chunk, int64_t ignore_index, uintptr_t stream, std::optional<Array> keep,
-                 std::optional<Array> log_s_keep) {
-  const bool with_entropy = entropy.has_value() && e.has_value();
-  const Call c = make_call(hidden, weight, bias, targets, temperature, vocab_start, real_vocab, chunk, ignore_index,
-                           with_entropy);
-  const rlk::Problem& p = c.p;
-  expect(m, nb::dtype<float>(), {p.n}, c.device, "m");
-  expect(log_s, nb::dtype<float>(), {p.n}, c.device, "log_s");
-  expect(g, nb::dtype<float>(), {p.n}, c.device, "g");
-  if (with_entropy) {
-    expect(*entropy, nb::dtype<float>(), {p.n}, c.device, "entropy");
-    expect(*e, nb::dtype<float>(), {p.n}, c.device, "e");
-  }
-  const rlk::DType dh_dtype = dtype_of(dhidden, "dhidden");  // f32 or hidden's: the backend checks
-  expect(dhidden, dhidden.dtype(), {p.n, p.h}, c.device, "dhidden");
-  expect(dweight, hidden.dtype(), {p.v, p.h}, c.device, "dweight");
-  if (bias && !dbias) throw std::invalid_argument("rlk: dbias is required with bias");
-  if (dbias) expect(*dbias, nb::dtype<float>(), {p.v}, c.device, "dbias");
-  expect(dtemp, nb::dtype<float>(), {p.n}, c.device, "dtemp");
-  if (keep.has_value() != log_s_keep.has_value()) throw std::invalid_argument("rlk: keep and log_s_keep come together");
-  if (log_s_keep) expect(*log_s_keep, nb::dtype<float>(), {p.n}, c.device, "log_s_keep");
-  rlk::BwdArgs a;
-  a.hidden = hidden.data();
-  a.weight = weight.data();
-  a.bias = bias ? static_cast<const float*>(bias->data()) : nullptr;
-  a.targets = static_cast<const int32_t*>(targets.data());
-  a.temperature = static_cast<const float*>(temperature.data());
-  a.m = static_cast<const float*>(m.data());
-  a.log_s = static_cast<const float*>(log_s.data());
-  a.entropy = with_entropy ? static_cast<const float*>(entropy->data()) : nullptr;
-  a.g = static_cast<const float*>(g.data());
-  a.e = with_entropy ? static_cast<const float*>(e->data()) : nullptr;
-  a.keep = keep_of(keep, p.n, p.v, c.device);
-  a.log_s_keep = log_s_keep ? static_cast<const float*>(log_s_keep->data()) : nullptr;
-  a.logits = kept_of(logits, c);
-  a.dhidden = dhidden.data();
-  a.dhidden_dtype = dh_dtype;
-  a.dweight = dweight.data();
-  a.dbias = (bias && dbias) ? static_cast<float*>(dbias->data()) : nullptr;
-  a.dtemp = static_cast<float*>(dtemp.data());
-  run_on(c.device, workspace, stream, [&](auto& ex) { return ex.backward(p, a); });
+// The DLPack device of a platform named as platforms() names it, else ValueError.
+int device_of(const std::string& name) {
+  if (name == "cpu") return nb::device::cpu::value;
+  if (name == "cuda") return nb::device::cuda::value;
+  throw std::invalid_argument("rlk: unknown platform '" + name + "' (platforms(): 'cpu', 'cuda')");
 }
 
 }  // namespace
@@ -326,25 +261,29 @@ NB_MODULE(_rlk_core, m) {
   m.def("ffi_targets", [] {
     nb::dict out;
 #if RLK_HAVE_XLA_FFI
-    out["cpu"] = targets(RlkForwardCpu, RlkForwardKeepCpu, RlkCombineCpu, RlkBackwardCpu, RlkBackwardFastCpu);
+    out["cpu"] = targets(RlkForwardCpu, RlkCombineCpu, RlkBackwardCpu);
 #if RLK_HAVE_CUDA
-    out["CUDA"] = targets(RlkForwardCuda, RlkForwardKeepCuda, RlkCombineCuda, RlkBackwardCuda, RlkBackwardFastCuda);
+    out["CUDA"] = targets(RlkForwardCuda, RlkCombineCuda, RlkBackwardCuda);
 #endif
 #endif
     return out;
   });
 
-  m.def("kept_bytes",
+  m.def("platforms", &platforms,
+        "The platforms this module knows, by name ('cpu', 'cuda'): each one's names in XLA, jax and DLPack,\n"
+        "whether this build runs it (supported) and why not (reason), and its kernels {route counter name:\n"
+        "{supported, reason}}. The frontends ask this instead of naming devices themselves.");
+
+  m.def("saved_logits_bytes",
         [](int64_t n, int64_t v, int64_t chunk, rlk::DType dtype, const std::string& device) {
-          if (device != "cpu" && device != "cuda")
-            throw std::invalid_argument("rlk: kept_bytes device must be 'cpu' or 'cuda', got '" + device + "'");
-          if (chunk <= 0 || v % chunk != 0) throw std::invalid_argument("rlk: chunk must divide the local vocab");
+          const int dev = device_of(device);
+          if (!rlk::io::chunk_fits(v, chunk)) throw std::invalid_argument(rlk::io::invalid(rlk::io::kChunkRule).what);
           const rlk::Problem p = shape_problem(n, 0, v, chunk, dtype, false, false);
-          return int64_t(kept_bytes_on(device == "cpu" ? nb::device::cpu::value : nb::device::cuda::value, p));
+          return int64_t(saved_logits_bytes_on(dev, p));
         },
         nb::arg("n"), nb::arg("v"), nb::arg("chunk"), nb::arg("dtype").noconvert(), nb::arg("device"),
-        "Bytes of the fast backward's kept buffer (uint8) on device 'cpu' or 'cuda' for this problem shape:\n"
-        "each backend keeps what its backward reads, in its own layout.");
+        "Bytes of the fast backward's saved logits (uint8) on platform `device` ('cpu' or 'cuda') for this\n"
+        "problem shape: each backend saves what its backward reads, in its own layout.");
 
   m.def("cuda_workspace_bytes",
         [](int64_t n, int64_t h, int64_t v, int64_t chunk, rlk::DType dtype, bool has_bias, bool with_entropy,
@@ -437,36 +376,22 @@ NB_MODULE(_rlk_core, m) {
   });
   m.def("reset_route_counts", &rlk::reset_counts);
 
-  m.def("forward", &dl_forward, nb::arg("hidden").noconvert(), nb::arg("weight").noconvert(),
-        nb::arg("bias").noconvert().none(), nb::arg("targets").noconvert(), nb::arg("temperature").noconvert(),
-        nb::arg("stats").noconvert(), nb::arg("target_logit").noconvert(), nb::arg("logits").noconvert().none(),
-        nb::arg("workspace").noconvert().none(),
-        nb::arg("vocab_start"), nb::arg("real_vocab"), nb::arg("chunk"), nb::arg("ignore_index"),
-        nb::arg("with_entropy"), nb::arg("stream"), nb::arg("logp").noconvert().none() = nb::none(),
-        nb::arg("entropy").noconvert().none() = nb::none(), nb::arg("m").noconvert().none() = nb::none(),
-        nb::arg("log_s").noconvert().none() = nb::none(), nb::arg("keep").noconvert().none() = nb::none(),
-        nb::arg("keep_sum").noconvert().none() = nb::none(), nb::arg("log_s_keep").noconvert().none() = nb::none(),
-        "Forward statistics into caller-allocated stats [n, v/chunk, 3] and target_logit [n], and the kept\n"
-        "buffer (uint8 [kept_bytes]) when `logits` is given (DLPack). With logp, entropy, m and log_s [n]\n"
-        "f32 (a call over the whole vocab) also their combine, as `combine` would. keep: a top-p nucleus,\n"
-        "uint8 [n, v_local], with keep_sum [n, v/chunk] f32 (the kept sums) and, combining, log_s_keep [n]:\n"
-        "logp is then over the nucleus (target_logit -inf for a target outside it); CPU only.");
-  m.def("combine", &dl_combine, nb::arg("stats").noconvert(), nb::arg("target_logit").noconvert(),
-        nb::arg("targets").noconvert(), nb::arg("logp").noconvert(), nb::arg("entropy").noconvert(),
-        nb::arg("m").noconvert(), nb::arg("log_s").noconvert(), nb::arg("real_vocab"), nb::arg("ignore_index"),
-        nb::arg("stream"), nb::arg("keep_sum").noconvert().none() = nb::none(),
-        nb::arg("log_s_keep").noconvert().none() = nb::none(),
-        "Combine all chunks' statistics into logp, entropy and the row's m and log_s (lse = m + log_s) (DLPack).\n"
-        "With keep_sum [n, chunks] (every shard's kept sums) logp is over the nucleus, its log_s_keep [n] out.");
-  m.def("backward", &dl_backward, nb::arg("hidden").noconvert(), nb::arg("weight").noconvert(),
-        nb::arg("bias").noconvert().none(), nb::arg("targets").noconvert(), nb::arg("temperature").noconvert(),
-        nb::arg("m").noconvert(), nb::arg("log_s").noconvert(), nb::arg("entropy").noconvert().none(),
-        nb::arg("g").noconvert(),
-        nb::arg("e").noconvert().none(), nb::arg("logits").noconvert().none(), nb::arg("dhidden").noconvert(), nb::arg("dweight").noconvert(),
-        nb::arg("dbias").noconvert().none(), nb::arg("dtemp").noconvert(), nb::arg("workspace").noconvert().none(),
-        nb::arg("vocab_start"), nb::arg("real_vocab"), nb::arg("chunk"), nb::arg("ignore_index"), nb::arg("stream"),
-        nb::arg("keep").noconvert().none() = nb::none(), nb::arg("log_s_keep").noconvert().none() = nb::none(),
-        "Backward into caller-allocated dhidden (float32, or the dtype of hidden), dweight, dbias f32, dtemp f32\n"
-        "(DLPack). With `logits` (the forward's kept buffer) the fast strategy, which on CUDA overwrites it;\n"
-        "else lean. keep (the forward's nucleus) and log_s_keep (the combine's): the nucleus's logp gradient.");
+  m.def("forward", &dl_forward,
+        "Forward statistics (DLPack; keyword arguments, io.h's ForwardIO by name): stats [n, v/chunk, 3] f32\n"
+        "and target_logit [n] f32 into the caller's buffers, and with saved_logits (uint8 [saved_logits_bytes]) the\n"
+        "fast backward's record. With logp, entropy, m and log_s [n] f32 (a call over the whole vocab) also\n"
+        "their combine, as `combine` would. keep: a top-p nucleus, uint8 [n, v_local], with keep_sum\n"
+        "[n, v/chunk] f32 (the kept sums) and, combining, log_s_keep [n]: logp is then over the nucleus\n"
+        "(target_logit -inf for a target outside it). Attributes: vocab_start, real_vocab, chunk,\n"
+        "ignore_index, with_entropy; stream (CUDA); workspace: CUDA scratch (cuda_workspace_bytes).");
+  m.def("combine", &dl_combine,
+        "Combine all chunks' statistics into logp, entropy and the row's m and log_s (lse = m + log_s) (DLPack;\n"
+        "keyword arguments, io.h's CombineIO by name). With keep_sum [n, chunks] (every shard's kept sums)\n"
+        "logp is over the nucleus, its log_s_keep [n] out. Attributes: real_vocab, ignore_index; stream.");
+  m.def("backward", &dl_backward,
+        "Backward (DLPack; keyword arguments, io.h's BackwardIO by name) into the caller's dhidden (float32, or\n"
+        "the dtype of hidden), dweight, dbias f32 (with bias), dtemp f32. With saved_logits (the forward's\n"
+        "record) the fast strategy, which on CUDA overwrites it; else lean. entropy and e: the entropy's\n"
+        "gradient. keep (the forward's nucleus) and log_s_keep (the combine's): the nucleus's logp gradient.\n"
+        "Attributes: vocab_start, real_vocab, chunk, ignore_index; stream; workspace (cuda_workspace_bytes).");
 }

@@ -24,7 +24,7 @@ BACKWARDS = ("auto", "fast", "lean")
 KERNEL_DTYPES = ("bfloat16", "float16", "float32")
 # The id of a rollout padding row (both frontends' default ignore_index): logp 0, entropy 0.
 PAD_ID = -100
-DEFAULT_BACKWARD_MEMORY_BUDGET = 4 << 30  # bytes of kept logits backward="auto" may spend (per shard)
+DEFAULT_BACKWARD_MEMORY_BUDGET = 4 << 30  # bytes of saved logits backward="auto" may spend (per shard)
 # The shapes that matter (docs/design.md §6): name -> (tokens n, hidden h, local vocab V).
 SHAPES = {"T1": (796, 2048, 75968), "T2": (1820, 2048, 75968), "T3": (6827, 2048, 75968),
           "T3-tp1": (6827, 2048, 151936), "Q8B-tp4": (4096, 4096, 37984), "L16k": (16384, 4096, 151936),
@@ -212,7 +212,7 @@ def route_call(mode: str, rows: int, reason: str | None, caller: str) -> Route:
 
 
 def backward_memory_budget(budget) -> int:
-    """Bytes of kept logits backward="auto" may spend: `budget`, else env RLK_BACKWARD_MEMORY_BUDGET,
+    """Bytes of saved logits backward="auto" may spend: `budget`, else env RLK_BACKWARD_MEMORY_BUDGET,
     else DEFAULT_BACKWARD_MEMORY_BUDGET."""
     name = "backward_memory_budget"
     if budget is None:
@@ -231,6 +231,23 @@ def backward_memory_budget(budget) -> int:
     return int(budget)
 
 
+def platform(platforms: dict, key: str, value) -> dict | None:
+    """The platform of the compiled module's report (`platforms`: core.platforms(), read once at
+    import: each platform's names in the frontends, whether this build runs it and why not, its
+    kernels) whose `key` ("name", "xla_platform", "jax_backend", "jax_lowering") is `value`; None
+    for a platform the module does not know."""
+    return next((p for p in platforms.values() if p[key] == value), None)
+
+
+def platform_fallback(platforms: dict, key: str, value) -> str | None:
+    """Why the fused kernels cannot run on the platform whose `key` is `value` (the route log's
+    fallback reason), None where they can."""
+    p = platform(platforms, key, value)
+    if p is None:
+        return f"device {value} (supported: {', '.join(platforms)})"
+    return None if p["supported"] else f"device {p['name']} ({p['reason']})"
+
+
 def dtype_code(core, name: str):
     """The compiled module's code for the operand dtype named `name` as jax and torch name it
     ("float32", "float16", "bfloat16"): a member of core.DType, which binds rlk::DType, so the codes
@@ -241,12 +258,12 @@ def dtype_code(core, name: str):
     return code
 
 
-def kept_bytes(core, n: int, v_local: int, chunk: int, dtype: str, device: str) -> int:
-    """Bytes the fast backward keeps for one shard (n rows, v_local vocab rows of the dtype named
-    `dtype`), in the layout of the backend on `device` ("cpu" or "cuda"): the frontends allocate
+def saved_logits_bytes(core, n: int, v_local: int, chunk: int, dtype: str, device: str) -> int:
+    """Bytes the fast backward saves for one shard (n rows, v_local vocab rows of the dtype named
+    `dtype`), in the layout of the backend on platform `device` (a name of core.platforms()): the frontends allocate
     this many uint8 and compare it with backward_memory_budget. Both backends' layouts are a record
     per row, so this is n times one row's bytes (n may be a symbolic size under torch.compile)."""
-    return n * int(core.kept_bytes(1, v_local, chunk, dtype_code(core, dtype), device))
+    return n * int(core.saved_logits_bytes(1, v_local, chunk, dtype_code(core, dtype), device))
 
 
 def cuda_workspace_bytes(core, n: int, h: int, v_local: int, chunk: int, dtype: str, has_bias: bool,
@@ -258,15 +275,15 @@ def cuda_workspace_bytes(core, n: int, h: int, v_local: int, chunk: int, dtype: 
                                      dhidden_f32)
 
 
-def resolve_backward(backward: str, kept_bytes: int, budget=None) -> str:
+def resolve_backward(backward: str, saved_logits_bytes: int, budget=None) -> str:
     """The backward strategy of one call (BACKWARDS), "fast" or "lean":
     - "fast": the forward also keeps what the backward needs of this shard's logits (the kept
-      buffer, in a max-relative form: kept_bytes, about n * V_local * 2 bytes for 16-bit operands,
+      buffer, in a max-relative form: saved_logits_bytes, about n * V_local * 2 bytes for 16-bit operands,
       4 for fp32) and the backward reads it back instead of recomputing the logits, as exact as
       lean at any logit scale and temperature (docs/design.md §5);
     - "lean": the backward recomputes the logits chunk by chunk (on CUDA a workspace of at most
       256 MiB, whatever n and V);
-    - "auto" (the default): fast when kept_bytes (what fast would keep: the frontend knows its
+    - "auto" (the default): fast when saved_logits_bytes (what fast would keep: the frontend knows its
       dtypes and device; 0 where the kernels do not run) fits the budget, inclusive, else lean.
     budget: bytes (backward_memory_budget: None is env RLK_BACKWARD_MEMORY_BUDGET, else
     DEFAULT_BACKWARD_MEMORY_BUDGET, 4 GiB), checked whatever the strategy. Only calls that are
@@ -276,4 +293,4 @@ def resolve_backward(backward: str, kept_bytes: int, budget=None) -> str:
     budget = backward_memory_budget(budget)
     if backward != "auto":
         return backward
-    return "fast" if kept_bytes <= budget else "lean"
+    return "fast" if saved_logits_bytes <= budget else "lean"

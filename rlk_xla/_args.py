@@ -16,7 +16,7 @@ from jax import lax
 
 import rlk_common as common
 
-from ._core import core
+from ._core import PLATFORMS, core
 
 F32 = jnp.float32
 SUPPORTED_DTYPES = tuple(jnp.dtype(name) for name in common.KERNEL_DTYPES)
@@ -151,16 +151,17 @@ def validate_targets(targets, vocab_size: int, ignore_index: int = -100) -> None
         raise common.bad_targets(i, int(t[i]), vocab_size, ignore_index, int(bad.size))
 
 
-def kept_bytes(n: int, v_local: int, chunk: int, dtype) -> int:
-    """Bytes of the fast backward's kept buffer (uint8) in the layout of the default backend's
+def saved_logits_bytes(n: int, v_local: int, chunk: int, dtype) -> int:
+    """Bytes of the fast backward's saved logits (uint8) in the layout of the default backend's
     kernels (the platform is not known at trace time; the kernels accept a larger buffer)."""
-    device = "cuda" if jax.default_backend() == "gpu" and core.has_cuda else "cpu"
-    return common.kept_bytes(core, n, v_local, chunk, jnp.dtype(dtype).name, device)
+    platform = common.platform(PLATFORMS, "jax_backend", jax.default_backend())
+    device = platform["name"] if platform is not None and platform["supported"] else "cpu"
+    return common.saved_logits_bytes(core, n, v_local, chunk, jnp.dtype(dtype).name, device)
 
 
 def resolve_backward(backward: str, a: Args, budget) -> str:
-    """"fast" or "lean": rlk_common.resolve_backward over this call's kept_bytes."""
+    """"fast" or "lean": rlk_common.resolve_backward over this call's saved_logits_bytes."""
     if jnp.dtype(a.hidden.dtype) not in SUPPORTED_DTYPES:  # the reference runs: nothing is kept
         return common.resolve_backward(backward, 0, budget)
-    return common.resolve_backward(backward, kept_bytes(a.hidden.shape[0], a.weight.shape[0], a.chunk,
+    return common.resolve_backward(backward, saved_logits_bytes(a.hidden.shape[0], a.weight.shape[0], a.chunk,
                                                         a.hidden.dtype), budget)

@@ -10,6 +10,8 @@ import jax
 import rlk_common
 
 core = rlk_common.import_core("rlk_xla")
+# What this build runs, by platform (rlk_common.platform).
+PLATFORMS = core.platforms()
 
 # jax's CUDA plugins (jax[cuda12], jax[cuda13]): with one installed, jax runs on the GPU.
 CUDA_PLUGINS = ("jax_cuda12_plugin", "jax_cuda13_plugin")
@@ -23,10 +25,10 @@ def missing_kernels() -> str | None:
     if not core.has_xla_ffi:
         return (f"this build of _rlk_core has no XLA FFI handlers (built with RLK_XLA_FFI=OFF), so {FALLBACK}. "
                 "Reinstall with them: `pip install .` (README, Install)")
-    if not core.has_cuda and any(importlib.util.find_spec(p) for p in CUDA_PLUGINS):
-        return (f"jax's CUDA plugin is installed but this build of _rlk_core has no CUDA kernels (built without "
-                f"nvcc, or with RLK_CUDA=OFF), so on a GPU {FALLBACK}. Rebuild with nvcc on PATH: `pip install .` "
-                "(README, Install)")
+    cuda = PLATFORMS["cuda"]
+    if not cuda["supported"] and any(importlib.util.find_spec(p) for p in CUDA_PLUGINS):
+        return (f"jax's CUDA plugin is installed but {cuda['reason']}, so on a GPU {FALLBACK}. Rebuild with nvcc "
+                "on PATH: `pip install .` (README, Install)")
     return None
 
 
@@ -36,13 +38,9 @@ if (_missing := missing_kernels()) is not None:
 
 @functools.lru_cache(maxsize=None)
 def registered_platforms() -> tuple[str, ...]:
-    """Register every FFI target the build has, once; return the platforms ("cpu", "CUDA")."""
+    """Register every FFI target the build has, once; return their XLA platforms (PLATFORMS' xla_platform)."""
     targets = core.ffi_targets()
     for platform, handlers in targets.items():
         for name, capsule in handlers.items():
             jax.ffi.register_ffi_target(name, capsule, platform=platform)
     return tuple(targets)
-
-
-def has_platform(platform: str) -> bool:
-    return platform in registered_platforms()

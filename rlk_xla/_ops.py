@@ -1,8 +1,8 @@
-"""The compiled kernels as jax.ffi calls: forward statistics (optionally keeping the logits),
-combine, backward (lean: recompute; fast: from the kept logits).
+"""The compiled kernels as jax.ffi calls: forward statistics (optionally saving the logits),
+combine, backward (lean: recompute; fast: from the saved logits).
 
-Each call lowers to the handler of the platform it runs on (lax.platform_dependent): the CUDA
-handlers take a trailing scratch buffer sized by the library, the CPU handlers none.
+Each call lowers to the handler of the platform it runs on (lax.platform_dependent); every target
+takes a trailing scratch result, sized by the library on CUDA (the CPU uses none).
 """
 from __future__ import annotations
 
@@ -16,9 +16,9 @@ from jax import lax
 
 import rlk_common as common
 
-from ._args import kept_bytes
+from ._args import saved_logits_bytes
 from ._compat import result_type
-from ._core import core, has_platform, registered_platforms
+from ._core import PLATFORMS, core, registered_platforms
 
 F32 = jnp.float32
 STAT_WIDTH = core.STAT_WIDTH
@@ -44,70 +44,67 @@ def _sds(shape, dtype=F32, operands=()):
     return result_type(tuple(shape), dtype, operands)
 
 
-def _on_platform(results, cuda_workspace: int | None, name: str, args, attrs, aliases=None):
-    """ffi_call `name` on whichever platform this lowers for. The CUDA handlers of forward and
-    backward take a trailing scratch result of `cuda_workspace` bytes; combine (None) takes none.
+def _on_platform(results, workspace: dict[str, int], name: str, args, attrs, aliases=None):
+    """ffi_call `name` on whichever platform this lowers for, with the trailing scratch result every
+    target takes (workspace: its bytes per XLA platform, absent: none; at least 1 byte is passed).
     aliases: {operand index: result index} (input_output_aliases)."""
-    registered_platforms()
-    aliases = aliases or {}
+    def call(platform):
+        def f(*a):
+            with_ws = list(results) + [_sds((max(workspace.get(platform, 0), 1),), jnp.uint8, a)]
+            out = jax.ffi.ffi_call(name, with_ws, vmap_method="expand_dims", input_output_aliases=aliases or {})(
+                *a, **attrs)
+            return tuple(out[:-1])
+        return f
 
-    def cpu(*a):
-        return jax.ffi.ffi_call(name, results, vmap_method="expand_dims", input_output_aliases=aliases)(*a, **attrs)
-
-    if not has_platform("CUDA"):
-        return cpu(*args)
-
-    def cuda(*a):
-        if cuda_workspace is None:
-            return cpu(*a)
-        with_ws = list(results) + [_sds((max(cuda_workspace, 1),), jnp.uint8, a)]
-        out = jax.ffi.ffi_call(name, with_ws, vmap_method="expand_dims", input_output_aliases=aliases)(*a, **attrs)
-        return tuple(out[:-1])
-
-    return lax.platform_dependent(*args, cpu=cpu, cuda=cuda)
+    platforms = registered_platforms()
+    if len(platforms) == 1:
+        return call(platforms[0])(*args)
+    lowering = {p["xla_platform"]: p["jax_lowering"] for p in PLATFORMS.values()}
+    return lax.platform_dependent(*args, **{lowering[p]: call(p) for p in platforms})
 
 
-def _workspace(hidden, weight, cfg: KernelConfig, dhidden_f32: bool = True) -> dict[str, int]:
-    """CUDA scratch bytes, {"forward", "lean", "fast"} (rlk_common.cuda_workspace_bytes)."""
+def _workspace(hidden, weight, cfg: KernelConfig, which: str, dhidden_f32: bool = True) -> dict[str, int]:
+    """Scratch bytes of call `which` ("forward", "lean" or "fast") per XLA platform, for those that
+    take any (PLATFORMS' "workspace": rlk_common.cuda_workspace_bytes)."""
     n, h = hidden.shape
-    return common.cuda_workspace_bytes(core, n, h, weight.shape[0], cfg.chunk, jnp.dtype(hidden.dtype).name,
-                                       cfg.has_bias, cfg.with_entropy, dhidden_f32)
+    nbytes = common.cuda_workspace_bytes(core, n, h, weight.shape[0], cfg.chunk, jnp.dtype(hidden.dtype).name,
+                                         cfg.has_bias, cfg.with_entropy, dhidden_f32)[which]
+    return {p["xla_platform"]: nbytes for p in PLATFORMS.values() if p["workspace"]}
 
 
 def _bias_arg(bias):
     return bias if bias is not None else jnp.zeros((0,), F32)
 
 
-def forward(hidden, weight, bias, targets, temperature, cfg: KernelConfig, keep_logits: bool = False):
-    """bias: [v] f32 or None; temperature [n] f32 (the kernels form 1/T). -> stats [n, v/chunk, STAT_WIDTH] f32, target_logit [n] f32 (0 where
-    the target is not a real id of this shard)[, with keep_logits the kept buffer for the fast
-    backward: uint8 [kept_bytes], the backend's own layout]."""
+def forward(hidden, weight, bias, targets, temperature, cfg: KernelConfig, save_logits: bool = False):
+    """bias: [v] f32 or None; temperature [n] f32 (the kernels form 1/T). -> stats [n, v/chunk, STAT_WIDTH]
+    f32, target_logit [n] f32 (0 where the target is not a real id of this shard), saved_logits: with
+    save_logits the fast backward's record, uint8 [saved_logits_bytes] in the backend's own layout, else [0]."""
     n, v = hidden.shape[0], weight.shape[0]
     args = (hidden, weight, _bias_arg(bias), targets, temperature)
-    results = (_sds((n, v // cfg.chunk, STAT_WIDTH), F32, args), _sds((n,), F32, args))
-    if keep_logits:
-        results += (_sds((kept_bytes(n, v, cfg.chunk, hidden.dtype),), jnp.uint8, args),)
-    name = "rlk_forward_keep" if keep_logits else "rlk_forward"
-    return _on_platform(results, _workspace(hidden, weight, cfg)["forward"], name, args, cfg.attrs())
+    saved = saved_logits_bytes(n, v, cfg.chunk, hidden.dtype) if save_logits else 0
+    results = (_sds((n, v // cfg.chunk, STAT_WIDTH), F32, args), _sds((n,), F32, args), _sds((saved,), jnp.uint8, args))
+    return _on_platform(results, _workspace(hidden, weight, cfg, "forward"), "rlk_forward", args, cfg.attrs())
 
 
 def combine(stats, target_logit, targets, *, real_vocab: int, ignore_index: int):
     """All chunks of the global vocab -> (logp, entropy, m, log_s), each [n] f32 (m, log_s: the row
     max and log sum exp(z - m), what the backward takes)."""
     n = stats.shape[0]
-    attrs = dict(real_vocab=np.int64(real_vocab), ignore_index=np.int64(ignore_index))
+    cfg = KernelConfig(vocab_start=0, real_vocab=real_vocab, chunk=1, ignore_index=ignore_index, has_bias=False,
+                       with_entropy=True)
     args = (stats, target_logit, targets)
-    return _on_platform((_sds((n,), F32, args),) * 4, None, "rlk_combine", args, attrs)
+    return _on_platform((_sds((n,), F32, args),) * 4, {}, "rlk_combine", args, cfg.attrs())
 
 
-def backward(hidden, weight, bias, targets, temperature, m, log_s, entropy, g, e, cfg: KernelConfig, *, logits,
-             dhidden_f32: bool):
+def backward(hidden, weight, bias, targets, temperature, m, log_s, entropy, g, e, cfg: KernelConfig, *,
+             saved_logits, dhidden_f32: bool):
     """-> dhidden [n, h], dweight [v, h], dbias [v] f32, dtemperature [n] f32 (dhidden and
     dtemperature: this shard's part). dhidden is f32 with dhidden_f32 (a vocab shard's partial, to be
     summed over shards), else in hidden's dtype, rounded once from the f32 sum (the whole vocab: no
     f32 [n, h] buffer at all).
-    logits: the forward's kept buffer (the fast strategy; the CUDA kernels overwrite it,
-    which XLA gives them through an operand-result alias), or None (lean: recompute)."""
+    saved_logits: the forward's record (the fast strategy; the CUDA kernels overwrite it, which XLA
+    gives them through an operand-result alias), or None (lean: recompute)."""
     n, h = hidden.shape
     v = weight.shape[0]
     empty = jnp.zeros((0,), F32)
@@ -116,12 +113,13 @@ def backward(hidden, weight, bias, targets, temperature, m, log_s, entropy, g, e
     results = (_sds((n, h), F32 if dhidden_f32 else hidden.dtype, args), _sds((v, h), weight.dtype, args),
                _sds((v if cfg.has_bias else 0,), F32, args), _sds((n,), F32, args))
     _prepare_cuda()
-    ws = _workspace(hidden, weight, cfg, dhidden_f32)
-    if logits is None:
-        return _on_platform(results, ws["lean"], "rlk_backward", args, cfg.attrs())
-    args += (logits,)
-    results += (_sds(logits.shape, logits.dtype, args),)
-    out = _on_platform(results, ws["fast"], "rlk_backward_fast", args, cfg.attrs(), aliases={len(args) - 1: 4})
+    saved = jnp.zeros((0,), jnp.uint8) if saved_logits is None else saved_logits
+    args += (saved,)
+    results += (_sds(saved.shape, saved.dtype, args),)
+    ws = _workspace(hidden, weight, cfg, "lean" if saved_logits is None else "fast", dhidden_f32)
+    # lean's empty record is not aliased: under vmap it stays unbatched while its result is batched.
+    aliases = None if saved_logits is None else {len(args) - 1: 4}
+    out = _on_platform(results, ws, "rlk_backward", args, cfg.attrs(), aliases=aliases)
     return tuple(out[:4])
 
 
@@ -129,7 +127,7 @@ def backward(hidden, weight, bias, targets, temperature, m, log_s, entropy, g, e
 def _prepare_cuda():
     """cuBLAS handles for every local GPU, at the first backward's trace, once per process: creating
     one inside the CUDA graph XLA may capture the backward into would fail."""
-    if not has_platform("CUDA"):
+    if PLATFORMS["cuda"]["xla_platform"] not in registered_platforms():
         return
     try:
         gpus = jax.local_devices(backend="gpu")

@@ -19,7 +19,7 @@ from . import _ops
 from . import reference, routes
 from ._args import SUPPORTED_DTYPES, Args, parse, resolve_backward
 from ._compat import psum_to, pvary
-from ._core import has_platform, registered_platforms
+from ._core import PLATFORMS, registered_platforms
 
 F32 = jnp.float32
 # Padding columns of a vocab shard get this added (fp32) logit under shard_map: exp() of it is
@@ -56,7 +56,7 @@ def linear_logp(hidden, weight, targets, *, bias=None, temperature=1.0, ignore_i
     strategy = resolve_backward(backward, a, backward_memory_budget)
     route = common.route_call(mode, n, _unsupported(a), "rlk_xla.linear_logp")
     if route.fused:
-        logp, ent = fused_rows(a, return_entropy, keep_logits=strategy == "fast")
+        logp, ent = fused_rows(a, return_entropy, save_logits=strategy == "fast")
         if route.audit:
             ref_logp, _ = reference.rows(a, False)
             routes.record_audit(logp, lax.stop_gradient(ref_logp))
@@ -72,13 +72,11 @@ def _unsupported(a: Args) -> str | None:
     """Why the fused kernels cannot take this call (the fallback reason), or None."""
     if jnp.dtype(a.hidden.dtype) not in SUPPORTED_DTYPES:
         return common.dtype_fallback(jnp.dtype(a.hidden.dtype).name)
-    platform = jax.default_backend()
-    registered_platforms()
-    if platform == "cpu" and has_platform("cpu"):
+    backend = jax.default_backend()
+    p = common.platform(PLATFORMS, "jax_backend", backend)
+    if p is not None and p["xla_platform"] in registered_platforms():
         return None
-    if platform == "gpu" and has_platform("CUDA"):
-        return None
-    return f"platform {platform} (this build has kernels for: {', '.join(registered_platforms()) or 'none'})"
+    return f"platform {backend} (this build has kernels for: {', '.join(registered_platforms()) or 'none'})"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,10 +86,10 @@ class _Static:
     ignore_index: int
     axis_name: object
     tp: int
-    keep_logits: bool        # the fast backward: the forward keeps this shard's logits
+    save_logits: bool        # the fast backward: the forward saves this shard's logits
 
 
-def fused_rows(a: Args, with_entropy: bool, keep_logits: bool = False, differentiable: bool = True):
+def fused_rows(a: Args, with_entropy: bool, save_logits: bool = False, differentiable: bool = True):
     """logp and entropy ([n] f32; entropy zeros unless asked) through the compiled kernels;
     differentiable=False: the forward alone (no custom_vjp, the same launches)."""
     v_local = a.weight.shape[0]
@@ -110,7 +108,7 @@ def fused_rows(a: Args, with_entropy: bool, keep_logits: bool = False, different
         cfg = _ops.KernelConfig(vocab_start=0, real_vocab=a.v_global, chunk=a.chunk, ignore_index=a.ignore_index,
                              has_bias=bias is not None, with_entropy=with_entropy)
     st = _Static(cfg=cfg, real_vocab=a.real_vocab, ignore_index=a.ignore_index, axis_name=a.axis_name, tp=a.tp,
-                 keep_logits=keep_logits)
+                 save_logits=save_logits)
     args = (a.hidden, a.weight, bias, a.temperature, a.targets, ktargets, a.vocab_start // a.chunk)
     return _fused(st, *args) if differentiable else _fused_fwd(st, *args)[0]
 
@@ -142,8 +140,8 @@ def _first_order_only_jvp(primals, tangents):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _fused(st: _Static, hidden, weight, bias, temperature, targets, ktargets, chunk_offset):
-    # Not differentiated: no logits to keep, whatever the strategy.
-    st = dataclasses.replace(st, keep_logits=False)
+    # Not differentiated: no logits to save, whatever the strategy.
+    st = dataclasses.replace(st, save_logits=False)
     return _fused_fwd(st, hidden, weight, bias, temperature, targets, ktargets, chunk_offset)[0]
 
 
@@ -154,7 +152,7 @@ def _varying(st: _Static, *xs):
 def _fused_fwd(st: _Static, hidden, weight, bias, temperature, targets, ktargets, chunk_offset):
     hidden, weight, bias, temperature = _first_order_only((hidden, weight, bias, temperature))
     hk, tk, ktk = _varying(st, hidden, temperature, ktargets)
-    stats, target_logit, *kept = _ops.forward(hk, weight, bias, ktk, tk, st.cfg, keep_logits=st.keep_logits)
+    stats, target_logit, saved = _ops.forward(hk, weight, bias, ktk, tk, st.cfg, save_logits=st.save_logits)
     if st.axis_name is not None:
         # Every shard places its chunks at their global position and the sum over shards adds
         # exact zeros elsewhere: all shards then hold the same [n, chunks, 3] statistics, which the
@@ -168,17 +166,17 @@ def _fused_fwd(st: _Static, hidden, weight, bias, temperature, targets, ktargets
                                     ignore_index=st.ignore_index)
     if not st.cfg.with_entropy:
         ent = jnp.zeros_like(logp)
-    return (logp, ent), (hidden, weight, bias, temperature, ktargets, m, log_s, ent, kept[0] if kept else None)
+    return (logp, ent), (hidden, weight, bias, temperature, ktargets, m, log_s, ent, saved if st.save_logits else None)
 
 
 def _fused_bwd(st: _Static, res, cts):
     res, cts = _first_order_only((res, cts))
-    hidden, weight, bias, temperature, ktargets, m, log_s, ent, kept = res
+    hidden, weight, bias, temperature, ktargets, m, log_s, ent, saved = res
     g, e = cts
     hk, tk, ktk, mk, lsk, ek, gk, eek = _varying(st, hidden, temperature, ktargets, m, log_s, ent, g.astype(F32),
                                                  e.astype(F32))
     # A shard's dH is a partial sum: f32 until the all-reduce; the whole vocab's comes in the dtype.
-    dh, dw, db, dtemp = _ops.backward(hk, weight, bias, ktk, tk, mk, lsk, ek, gk, eek, st.cfg, logits=kept,
+    dh, dw, db, dtemp = _ops.backward(hk, weight, bias, ktk, tk, mk, lsk, ek, gk, eek, st.cfg, saved_logits=saved,
                                    dhidden_f32=st.axis_name is not None)
     if st.axis_name is not None:
         # dH and dT are partial sums over this shard's vocab: one all-reduce each over the vocab

@@ -53,12 +53,12 @@ def rows(a: Args, with_entropy: bool):
     ztm = reduce_sum(jnp.where(local, jnp.take_along_axis(zm, idx[:, None], axis=-1)[:, 0], 0.0))
     ignored = t == a.ignore_index
     invalid = ~ignored & ((t < 0) | (t >= a.real_vocab))
-    keep = ~(ignored | invalid)
-    log_s = jnp.log(jnp.where(keep, s, 1.0))
-    logp = jnp.where(keep, jnp.minimum(ztm - log_s, 0.0), jnp.where(invalid, jnp.nan, 0.0))
+    valid = ~(ignored | invalid)
+    log_s = jnp.log(jnp.where(valid, s, 1.0))
+    logp = jnp.where(valid, jnp.minimum(ztm - log_s, 0.0), jnp.where(invalid, jnp.nan, 0.0))
     if not with_entropy:
         return logp, jnp.zeros_like(logp)
     zm_safe = jnp.where(pad, 0.0, zm)  # e^(z-m) (z-m) is 0 on padding; keep -inf out of the gradient
     acc = reduce_sum(jnp.sum(ez * zm_safe, axis=-1))
-    ent = jnp.where(keep, log_s - acc / jnp.where(keep, s, 1.0), jnp.where(invalid, jnp.nan, 0.0))
+    ent = jnp.where(valid, log_s - acc / jnp.where(valid, s, 1.0), jnp.where(invalid, jnp.nan, 0.0))
     return logp, ent

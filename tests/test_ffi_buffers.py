@@ -17,7 +17,7 @@ import numpy as np
 
 from rlk_xla._core import core, registered_platforms
 
-F32, BF16, I32 = jnp.float32, jnp.bfloat16, jnp.int32
+F32, BF16, I32, U8 = jnp.float32, jnp.bfloat16, jnp.int32, jnp.uint8
 W = int(core.STAT_WIDTH)
 N, H, V = 8, 16, 32
 ATTRS = dict(vocab_start=np.int64(0), real_vocab=np.int64(V), chunk=np.int64(V), ignore_index=np.int64(-100),
@@ -37,18 +37,19 @@ def operands(**over):
 
 
 def fwd_results(**over):
-    res = dict(stats=sds((N, 1, W)), target_logit=sds((N,)))
+    res = dict(stats=sds((N, 1, W)), target_logit=sds((N,)), saved_logits=sds((0,), U8))
     res.update(over)
     return list(res.values())
 
 
 def call(name, results, args, attrs=ATTRS):
+    """ffi_call of target `name` with its trailing workspace result (every target takes one: io.h)."""
     registered_platforms()
-    return jax.block_until_ready(jax.ffi.ffi_call(name, results)(*args, **attrs))
+    return jax.block_until_ready(jax.ffi.ffi_call(name, results + [sds((1,), U8)])(*args, **attrs))[:-1]
 
 
 def test_valid_buffers_run():
-    stats, tl = call("rlk_forward", fwd_results(), operands())
+    stats, tl, _ = call("rlk_forward", fwd_results(), operands())
     assert stats.shape == (N, 1, W) and np.isfinite(np.asarray(stats)).all()
 
 
@@ -82,7 +83,7 @@ def test_forward_rejects_a_200000_row_problem_with_a_tiny_stats_buffer():
             jnp.ones((n,), F32)]
     attrs = dict(ATTRS, real_vocab=np.int64(8), chunk=np.int64(8), has_bias=np.int64(0))
     with pytest.raises(Exception, match="rlk: stats must be"):
-        call("rlk_forward", [sds((1, 1, 3)), sds((n,))], args, attrs)
+        call("rlk_forward", [sds((1, 1, 3)), sds((n,)), sds((0,), U8)], args, attrs)
 
 
 def test_forward_rejects_a_chunk_that_does_not_divide_the_vocab():
@@ -101,26 +102,26 @@ def test_forward_rejects_a_chunk_that_does_not_divide_the_vocab():
     ("targets", [sds((N,))] * 4, [jnp.zeros((N, 2, W)), jnp.zeros((N,)), jnp.zeros((N,), jnp.int16)]),
 ], ids=lambda x: x if isinstance(x, str) else "")
 def test_combine_rejects(what, results, args):
-    attrs = dict(real_vocab=np.int64(V), ignore_index=np.int64(-100))
     with pytest.raises(Exception, match=f"rlk: {what}"):
-        call("rlk_combine", results, args, attrs)
+        call("rlk_combine", results, args)
 
 
 def bwd_args(**over):
     ops = dict(zip(("hidden", "weight", "bias", "targets", "temperature"), operands()))
-    ops.update(m=jnp.zeros((N,)), log_s=jnp.zeros((N,)), entropy=jnp.zeros((N,)), g=jnp.ones((N,)), e=jnp.ones((N,)))
+    ops.update(m=jnp.zeros((N,)), log_s=jnp.zeros((N,)), entropy=jnp.zeros((N,)), g=jnp.ones((N,)), e=jnp.ones((N,)),
+               saved_logits=jnp.zeros((0,), U8))
     ops.update(over)
     return list(ops.values())
 
 
 def bwd_results(**over):
-    res = dict(dhidden=sds((N, H)), dweight=sds((V, H)), dbias=sds((V,)), dtemp=sds((N,)))
+    res = dict(dhidden=sds((N, H)), dweight=sds((V, H)), dbias=sds((V,)), dtemp=sds((N,)), saved_logits=sds((0,), U8))
     res.update(over)
     return list(res.values())
 
 
 def test_valid_backward_runs():
-    dh, dw, db, dt = call("rlk_backward", bwd_results(), bwd_args())
+    dh, dw, db, dt, _ = call("rlk_backward", bwd_results(), bwd_args())
     assert dh.shape == (N, H) and np.isfinite(np.asarray(dw)).all()
 
 
@@ -143,10 +144,20 @@ def test_backward_rejects(what, results, args):
         call("rlk_backward", results, args)
 
 
-def test_fast_backward_rejects_a_kept_buffer_too_small():
-    args = bwd_args() + [jnp.zeros((8,), jnp.uint8)]
-    with pytest.raises(Exception, match="rlk: the kept buffer"):
-        call("rlk_backward_fast", bwd_results() + [sds((8,), jnp.uint8)], args)
+def test_fast_backward_rejects_saved_logits_too_small():
+    args = bwd_args(saved_logits=jnp.zeros((8,), U8))
+    with pytest.raises(Exception, match="rlk: saved_logits"):
+        call("rlk_backward", bwd_results(saved_logits=sds((8,), U8)), args)
+
+
+@pytest.mark.parametrize("name,results,args", [
+    ("rlk_forward", fwd_results()[:2], operands()),
+    ("rlk_forward", fwd_results(), operands() + [jnp.zeros((1,))]),
+    ("rlk_backward", bwd_results(), bwd_args()[:-1]),
+], ids=["a result missing", "an operand too many", "an operand missing"])
+def test_targets_reject_a_wrong_count_of_buffers(name, results, args):
+    with pytest.raises(Exception, match="rlk: too (few|many)"):
+        call(name, results, args)
 
 
 def test_thread_start_failure_is_an_error_not_terminate():

@@ -145,10 +145,11 @@ def test_rejected_kernel_call_is_not_counted():
     registered_platforms()
     routes.reset_route_stats()
     n, h, v = 4, 8, 16
-    # hidden, weight, bias, targets, temperature, m, log_s, entropy, g, e
+    # hidden, weight, bias, targets, temperature, m, log_s, entropy, g, e, saved_logits
     args = [jnp.ones((n, h)), jnp.ones((v, h)), jnp.zeros((0,)), jnp.zeros((n,), jnp.int32), jnp.ones((n,)),
-            jnp.zeros((n,)), jnp.zeros((n,)), jnp.zeros((0,)), jnp.ones((n,)), jnp.zeros((0,))]
+            jnp.zeros((n,)), jnp.zeros((n,)), jnp.zeros((0,)), jnp.ones((n,)), jnp.zeros((0,)), jnp.zeros((0,), jnp.uint8)]
     res = [jax.ShapeDtypeStruct(s, jnp.float32) for s in ((n, h), (v, h), (0,), (n + 1,))]  # dtemp too long
+    res += [jax.ShapeDtypeStruct(s, jnp.uint8) for s in ((0,), (1,))]  # saved_logits, workspace
     attrs = dict(vocab_start=np.int64(0), real_vocab=np.int64(v), chunk=np.int64(v), ignore_index=np.int64(-100),
                  has_bias=np.int64(0), with_entropy=np.int64(0))
     with pytest.raises(Exception, match="rlk: dtemp"):

@@ -28,11 +28,11 @@ def test_dtype_codes_are_named():
     assert common.dtype_code(core, "bfloat16") is BF16
     with pytest.raises(ValueError, match="float64: the kernels take float32, float16, bfloat16"):
         common.dtype_code(core, "float64")
-    for call in (lambda: core.kept_bytes(1, 64, 64, 2, "cpu"), lambda: core.cuda_lean_plan(1, 64, 64, 2, False, True),
+    for call in (lambda: core.saved_logits_bytes(1, 64, 64, 2, "cpu"), lambda: core.cuda_lean_plan(1, 64, 64, 2, False, True),
                  lambda: core.cuda_workspace_bytes(1, 64, 64, 64, 2, False, False, True)):
         with pytest.raises(TypeError):
             call()
-    assert common.kept_bytes(core, 3, 64, 64, "float32", "cpu") == 3 * core.kept_bytes(1, 64, 64, F32, "cpu")
+    assert common.saved_logits_bytes(core, 3, 64, 64, "float32", "cpu") == 3 * core.saved_logits_bytes(1, 64, 64, F32, "cpu")
     assert set(common.cuda_workspace_bytes(core, 1, 64, 64, 64, "bfloat16", False, False, True)) == {
         "forward", "lean", "fast"}
 

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 import torch_bridge
-from torch_helpers import GPU, kept_z
+from torch_helpers import GPU, saved_z
 from torch_bridge import reference
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -103,7 +103,7 @@ def test_logp_per_element_with_normal_inputs(device):
                                                        v // 8, -100, False, True)
     ours = torch_bridge.linear_logp(hid.to(device), w.to(device), t.to(device), temperature=temp, mode="strict")
     assert torch.equal(ours, logp)
-    z32 = kept_z(kept, n, v, device).cpu()  # fp32 operands: the kept buffer holds z in fp32
+    z32 = saved_z(kept, n, v, device).cpu()  # fp32 operands: the kept buffer holds z in fp32
     assert z64.abs().max() > 150
     _assert_at_least_as_close_as_torch(ours, z32, t, truth, f"{device} normal fp32")
 

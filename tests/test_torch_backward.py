@@ -13,8 +13,8 @@ import torch
 import _rlk_core
 import torch_bridge
 from torch_bridge import _ops
-from torch_bridge._args import DEFAULT_BACKWARD_MEMORY_BUDGET, kept_bytes, resolve_backward
-from torch_helpers import kept_z, make_inputs, value_and_grads
+from torch_bridge._args import DEFAULT_BACKWARD_MEMORY_BUDGET, saved_logits_bytes, resolve_backward
+from torch_helpers import saved_z, make_inputs, value_and_grads
 
 F16, F32 = torch.float16, torch.float32
 
@@ -59,19 +59,19 @@ def _cuda_row_bytes(v, chunk):
 
 def test_kept_bytes_rule():
     n, v, chunk = 7, 300, 75
-    assert kept_bytes(n, v, chunk, F32, CPU) == n * v * 4                   # z fp32, as the forward computed it
+    assert saved_logits_bytes(n, v, chunk, F32, CPU) == n * v * 4                   # z fp32, as the forward computed it
     for dt in (torch.bfloat16, F16):
-        assert kept_bytes(n, v, chunk, dt, CPU) == n * _cpu_row_bytes(v, chunk)
-    assert kept_bytes(n, 301, 301, torch.bfloat16, CPU) == n * _cpu_row_bytes(301, 301)
-    assert kept_bytes(n, v, chunk, torch.float64, CPU) == 0                 # the reference runs: nothing kept
+        assert saved_logits_bytes(n, v, chunk, dt, CPU) == n * _cpu_row_bytes(v, chunk)
+    assert saved_logits_bytes(n, 301, 301, torch.bfloat16, CPU) == n * _cpu_row_bytes(301, 301)
+    assert saved_logits_bytes(n, v, chunk, torch.float64, CPU) == 0                 # the reference runs: nothing kept
     if _rlk_core.has_cuda:
-        assert kept_bytes(n, v, chunk, F32, torch.device("cuda")) == n * v * 4
-        assert kept_bytes(n, v, chunk, F16, torch.device("cuda")) == n * _cuda_row_bytes(v, chunk)
+        assert saved_logits_bytes(n, v, chunk, F32, torch.device("cuda")) == n * v * 4
+        assert saved_logits_bytes(n, v, chunk, F16, torch.device("cuda")) == n * _cuda_row_bytes(v, chunk)
 
 
 def test_resolve_backward(monkeypatch):
     n, v, c = 1000, 3000, 375
-    kept16, kept32 = kept_bytes(n, v, c, F16, CPU), n * v * 4
+    kept16, kept32 = saved_logits_bytes(n, v, c, F16, CPU), n * v * 4
     assert kept16 < kept32
     assert resolve_backward("fast", n, v, c, torch.bfloat16, CPU, 0) == "fast"
     assert resolve_backward("lean", n, v, c, torch.bfloat16, CPU, None) == "lean"
@@ -114,7 +114,7 @@ def test_bad_strategy_or_budget_is_a_clear_error(monkeypatch, backward, budget, 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_auto_is_fast_within_the_budget_and_lean_over_it(monkeypatch, dtype):
     n, v = 37, 300
-    kept = kept_bytes(n, v, 75, getattr(torch, dtype), CPU)
+    kept = saved_logits_bytes(n, v, 75, getattr(torch, dtype), CPU)
     d, kw, g, e = make_inputs(1, n, 24, v, dtype, bias=True, temp="array")
     assert _step(d, kw, g, e)[1]                                                   # default 4 GiB
     assert _step(d, kw, g, e, backward_memory_budget=kept)[1]
@@ -129,7 +129,7 @@ def test_logits_are_kept_only_when_a_backward_can_run(monkeypatch):
     forward = _rlk_core.forward
 
     def spy(*args, **kwargs):
-        kept.append(args[7] is not None)  # core.forward's `logits`
+        kept.append(kwargs["saved_logits"] is not None)
         return forward(*args, **kwargs)
 
     monkeypatch.setattr(_ops.core, "forward", spy)
@@ -176,13 +176,15 @@ def test_kept_buffer_holds_the_scaled_logits(dtype):
     d, kw, _, _ = make_inputs(4, 45, 32, 300, dtype, bias=True, temp="array", real_vocab=290)
     h, w, T = d["hidden"], d["weight"], kw["temperature"]
     b, t = kw["bias"].float(), d["targets"].int()
-    logits = torch.full((kept_bytes(45, 300, 75, h.dtype, CPU),), 255, dtype=torch.uint8)
+    logits = torch.full((saved_logits_bytes(45, 300, 75, h.dtype, CPU),), 255, dtype=torch.uint8)
     stats = torch.empty((45, 4, 3))
-    _rlk_core.forward(h, w, b, t, T.float(), stats, torch.empty(45), logits, None, 0, 290, 75, -100, True, 0)
+    _rlk_core.forward(hidden=h, weight=w, bias=b, targets=t, temperature=T.float(), stats=stats,
+                      target_logit=torch.empty(45), saved_logits=logits, vocab_start=0, real_vocab=290, chunk=75,
+                      ignore_index=-100, with_entropy=True)
     z = (h.double() @ w.double().T + b.double()) / T.double()[:, None]
     mag = (h.double().abs() @ w.double().abs().T + b.double().abs()) / T.double()[:, None]
     if dtype == "float32":
-        kz = kept_z(logits, 45, 300, "cpu").double()
+        kz = saved_z(logits, 45, 300, "cpu").double()
         assert ((kz[:, :290] - z[:, :290]).abs() <= 1e-6 * mag[:, :290]).all()
     else:
         zm, mom, zt = _decode_cpu_kept(logits, 45, 300, 75)
@@ -219,13 +221,13 @@ def test_cpu_fast_backward_only_reads_the_kept_buffer():
     assert all(x.shape == y.shape and x.dtype == y.dtype for x, y in zip(fast, lean))
 
 
-def test_backward_op_rejects_a_buffer_that_is_not_the_kept_one():
+def test_backward_op_rejects_a_buffer_that_is_not_the_saved_logits():
     d, kw, g, _ = make_inputs(5, 10, 16, 100, "bfloat16")
     h, w, t, T = d["hidden"], d["weight"], d["targets"].int(), torch.ones(10)
     m, log_s = torch.zeros(10), torch.zeros(10)
-    nbytes = kept_bytes(10, 100, 100, torch.bfloat16, CPU)
+    nbytes = saved_logits_bytes(10, 100, 100, torch.bfloat16, CPU)
     for bad in (torch.zeros((10, 100), dtype=F16), torch.zeros(nbytes - 1, dtype=torch.uint8), torch.zeros(3)):
-        with pytest.raises(ValueError, match="logits must be the forward's kept buffer"):
+        with pytest.raises(ValueError, match="saved_logits must be the forward.s saved logits"):
             torch.ops.rlk.linear_logp_backward(h, w, None, t, T, m, log_s, None, g, None, bad, 0, 100, 100, -100,
                                                True)
 

@@ -201,18 +201,27 @@ def test_kernel_entry_points_reject_wrong_dtype_and_shape():
     t, it = torch.zeros(4, dtype=torch.int32), torch.ones(4)
     stats, tl = torch.empty((4, 1, 3)), torch.empty(4)
     import _rlk_core as core
+
+    def forward(**over):
+        kw = dict(hidden=h, weight=w, targets=t, temperature=it, stats=stats, target_logit=tl, vocab_start=0,
+                  real_vocab=10, chunk=10, ignore_index=-100, with_entropy=False)
+        core.forward(**{**kw, **over})
+
+    forward()  # the valid call
     with pytest.raises(ValueError, match="targets"):
-        core.forward(h, w, None, t.long(), it, stats, tl, None, None, 0, 10, 10, -100, False, 0)
+        forward(targets=t.long())
     with pytest.raises(ValueError, match="chunk"):
-        core.forward(h, w, None, t, it, stats, tl, None, None, 0, 10, 3, -100, False, 0)
+        forward(chunk=3)
     with pytest.raises(ValueError, match="stats"):
-        core.forward(h, w, None, t, it, torch.empty((4, 2, 3)), tl, None, None, 0, 10, 10, -100, False, 0)
+        forward(stats=torch.empty((4, 2, 3)))
     with pytest.raises(ValueError, match="hidden must be"):  # wrong dtype: no silent conversion
-        core.forward(h.double(), w, None, t, it, stats, tl, None, None, 0, 10, 10, -100, False, 0)
-    # the kept buffer: uint8 of exactly kept_bytes (fp32 operands: z [n, v] fp32)
+        forward(hidden=h.double())
+    with pytest.raises(ValueError, match="unknown keyword"):
+        forward(hiden=h)
+    # the saved logits: uint8 of at least saved_logits_bytes (fp32 operands: z [n, v] fp32)
     for bad in (torch.empty((4, 10)), torch.empty(4 * 10 * 4 - 1, dtype=torch.uint8)):
-        with pytest.raises(ValueError, match="logits"):
-            core.forward(h, w, None, t, it, stats, tl, bad, None, 0, 10, 10, -100, False, 0)
+        with pytest.raises(ValueError, match="saved_logits"):
+            forward(saved_logits=bad)
 
 
 def test_python_chunk_rule_equals_the_compiled_one():
@@ -281,12 +290,13 @@ def test_linear_logp_op_is_forward_stats_then_combine_bitwise():
         logp, ent, m, log_s, _, _ = torch.ops.rlk.linear_logp(h, w, b, t, T, 290, 75, -100, with_entropy, False)
         assert torch.equal(logp, want[0]) and torch.equal(m, want[2]) and torch.equal(log_s, want[3])
         assert torch.equal(ent, want[1] if with_entropy else torch.zeros_like(ent))
-    out = [torch.empty(7) for _ in range(4)]
-    args = (h, w, b, t, T, stats, tl, None, None)
+    out = dict(zip(("logp", "entropy", "m", "log_s"), (torch.empty(7) for _ in range(4))))
+    args = dict(hidden=h, weight=w, bias=b, targets=t, temperature=T, stats=stats, target_logit=tl, chunk=75,
+                ignore_index=-100, with_entropy=False)
     with pytest.raises(ValueError, match="come together"):
-        core.forward(*args, 0, 290, 75, -100, False, 0, out[0], out[1], out[2], None)
+        core.forward(**args, vocab_start=0, real_vocab=290, **{**out, "log_s": None})
     with pytest.raises(ValueError, match="whole vocab"):
-        core.forward(*args, 300, 590, 75, -100, False, 0, *out)
+        core.forward(**args, vocab_start=300, real_vocab=590, **out)
 
 
 @pytest.mark.parametrize("device", ["cpu", GPU])

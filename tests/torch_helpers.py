@@ -17,9 +17,9 @@ GPU = pytest.param("cuda", marks=[
     pytest.mark.skipif(not _rlk_core.has_cuda, reason="this build of _rlk_core has no CUDA backend")])
 
 
-def kept_z(kept, n, v, device_type):
+def saved_z(kept, n, v, device_type):
     """The fp32 operands' kept buffer -> z [n, v]: CUDA keeps it row-major, the CPU by blocks of 64
-    rows, each z^T [v, rows] (cpu/linear_logp_cpu.cc, kept_z)."""
+    rows, each z^T [v, rows] (cpu/saved_logits.h, saved_z)."""
     z = kept.view(torch.float32)
     if device_type != "cpu":
         return z.view(n, v)

@@ -15,7 +15,7 @@ import torch
 import rlk_common as common
 from rlk_common import BACKWARDS, DEFAULT_BACKWARD_MEMORY_BUDGET  # noqa: F401  (torch_bridge's API)
 
-from ._core import core
+from ._core import PLATFORMS, core
 
 F32 = torch.float32
 SUPPORTED_DTYPES = tuple(getattr(torch, name) for name in common.KERNEL_DTYPES)
@@ -222,31 +222,26 @@ def unsupported(hidden: torch.Tensor) -> str | None:
     """Why the fused kernels cannot take tensors like `hidden` (the fallback reason), or None."""
     if hidden.dtype not in SUPPORTED_DTYPES:
         return common.dtype_fallback(dtype_name(hidden.dtype))
-    dev = hidden.device.type
-    if dev == "cpu":
-        return None
-    if dev == "cuda":
-        return None if core.has_cuda else "device cuda (this build of _rlk_core has no CUDA backend)"
-    return f"device {dev} (supported: cpu, cuda)"
+    return common.platform_fallback(PLATFORMS, "name", hidden.device.type)
 
 
-def kept_bytes(n: int, v_local: int, chunk: int, dtype: torch.dtype, device: torch.device) -> int:
-    """Bytes of the fast backward's kept buffer (uint8) for the kernels of `device`; 0 where the
+def saved_logits_bytes(n: int, v_local: int, chunk: int, dtype: torch.dtype, device: torch.device) -> int:
+    """Bytes of the fast backward's saved logits (uint8) for the kernels of `device`; 0 where the
     kernels do not run (unsupported dtype or device: nothing is kept)."""
-    if dtype not in SUPPORTED_DTYPES or device.type not in ("cpu", "cuda"):
+    if dtype not in SUPPORTED_DTYPES or common.platform_fallback(PLATFORMS, "name", device.type) is not None:
         return 0
-    return n * _kept_row_bytes(int(v_local), int(chunk), dtype_name(dtype), device.type)
+    return n * _saved_row_bytes(int(v_local), int(chunk), dtype_name(dtype), device.type)
 
 
 @torch.compiler.assume_constant_result
-def _kept_row_bytes(v_local: int, chunk: int, dtype: str, device: str) -> int:
-    """One row's kept bytes (rlk_common.kept_bytes), a constant for torch.compile, which cannot
+def _saved_row_bytes(v_local: int, chunk: int, dtype: str, device: str) -> int:
+    """One row's kept bytes (rlk_common.saved_logits_bytes), a constant for torch.compile, which cannot
     trace the compiled module's call; n may be symbolic."""
-    return common.kept_bytes(core, 1, v_local, chunk, dtype, device)
+    return common.saved_logits_bytes(core, 1, v_local, chunk, dtype, device)
 
 
 def resolve_backward(backward: str, n: int, v_local: int, chunk: int, dtype: torch.dtype, device: torch.device,
                      budget=None) -> str:
     """The backward strategy of one call, "fast" or "lean": rlk_common.resolve_backward over this
-    call's kept_bytes."""
-    return common.resolve_backward(backward, kept_bytes(n, v_local, chunk, dtype, device), budget)
+    call's saved_logits_bytes."""
+    return common.resolve_backward(backward, saved_logits_bytes(n, v_local, chunk, dtype, device), budget)

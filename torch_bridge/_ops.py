@@ -3,14 +3,14 @@
 Low-level ops, one per compiled entry point (used by the tensor-parallel path, which puts
 collectives between them):
   rlk::forward_stats          per-(row, canonical chunk) statistics, the local target logit and,
-                              with keep_logits, this shard's kept buffer for the fast backward;
+                              with save_logits, this shard's saved logits for the fast backward;
                               with a nucleus, its per-chunk kept sums
   rlk::combine                all chunks' statistics -> logp, entropy, m, log_s (fixed chunk order),
                               and log_s_keep with the kept sums
   rlk::linear_logp_backward   dH (this shard's partial: f32; the whole vocab's: dtype), dW, db (f32), dtemperature (partial)
 and the fused single-shard forward op, with its autograd (LinearLogp), traceable by
 torch.compile(fullgraph=True):
-  rlk::linear_logp            (logp, entropy, m, log_s, kept buffer, log_s_keep); backward through
+  rlk::linear_logp            (logp, entropy, m, log_s, saved logits, log_s_keep); backward through
                               rlk::linear_logp_backward
 The autograd Functions reach them through run(): the op under torch.compile, its implementation
 directly in eager mode.
@@ -27,10 +27,10 @@ rounded reciprocal: the JAX frontend does the same, so both give the same bits (
 own GPU divisions differ in the last bit). Bias, when given, is fp32. Outputs and
 the CUDA workspace are allocated with torch's allocator; CUDA kernels run on the current stream.
 
-Kept buffer (backward="fast"): what the backend's backward needs of the shard's logits z = (h.W + b)
-/ T, uint8 [_args.kept_bytes] in the backend's own layout (`logits` below). When nothing is kept
-the ops carry an empty [0] tensor in its place, and the backward then recomputes the logits
-("lean"). The backward declares `logits` mutated: on CUDA it overwrites it with dlogit, so it
+Saved logits (backward="fast"): what the backend's backward needs of the shard's logits z = (h.W + b)
+/ T, uint8 [_args.saved_logits_bytes] in the backend's own layout (`saved_logits` below). When nothing is
+saved the ops carry an empty [0] tensor in its place, and the backward then recomputes the logits
+("lean"). The backward declares `saved_logits` mutated: on CUDA it overwrites it with dlogit, so it
 serves one backward. (Optional[Tensor] with None for lean would read better, but Inductor fails
 to lower a mutated Optional argument that is None -- torch 2.13.)
 """
@@ -46,8 +46,8 @@ from torch import Tensor
 
 import rlk_common as common
 
-from ._args import dtype_name, kept_bytes
-from ._core import core
+from ._args import dtype_name, saved_logits_bytes
+from ._core import PLATFORMS, core
 
 F32 = torch.float32
 W = int(core.STAT_WIDTH)
@@ -125,7 +125,7 @@ def workspace_bytes(n: int, h: int, v: int, chunk: int, dtype: torch.dtype, has_
 
 def _workspace(hidden: Tensor, v: int, chunk: int, has_bias: bool, with_entropy: bool, which: str,
                dhidden_f32: bool = True):
-    if hidden.device.type != "cuda":
+    if not PLATFORMS[hidden.device.type]["workspace"]:
         return None
     if which != "forward":
         _prepare_backward(hidden.device.index)
@@ -134,21 +134,21 @@ def _workspace(hidden: Tensor, v: int, chunk: int, has_bias: bool, with_entropy:
     return torch.empty((nbytes,), dtype=torch.uint8, device=hidden.device) if nbytes > 0 else None
 
 
-def _logits_like(hidden: Tensor, v: int, chunk: int, keep_logits: bool) -> Tensor:
-    """The kept buffer: uint8 [kept_bytes] (written by the forward), or the empty [0]."""
-    nbytes = kept_bytes(hidden.shape[0], v, chunk, hidden.dtype, hidden.device) if keep_logits else 0
+def _saved_like(hidden: Tensor, v: int, chunk: int, save_logits: bool) -> Tensor:
+    """The saved logits: uint8 [saved_logits_bytes] (written by the forward), or the empty [0]."""
+    nbytes = saved_logits_bytes(hidden.shape[0], v, chunk, hidden.dtype, hidden.device) if save_logits else 0
     return hidden.new_empty((nbytes,), dtype=torch.uint8)
 
 
-def _kept(logits: Tensor, hidden: Tensor, v: int, chunk: int) -> Optional[Tensor]:
-    """The kept buffer for the fast backward, or None (lean) for the empty [0] tensor."""
-    if logits.numel() == 0:
+def _saved(saved_logits: Tensor, hidden: Tensor, v: int, chunk: int) -> Optional[Tensor]:
+    """The saved logits for the fast backward, or None (lean) for the empty [0] tensor."""
+    if saved_logits.numel() == 0:
         return None
-    want = kept_bytes(hidden.shape[0], v, chunk, hidden.dtype, hidden.device)
-    if tuple(logits.shape) != (want,) or logits.dtype != torch.uint8:
-        raise ValueError(f"logits must be the forward's kept buffer, uint8 [{want}], or an empty [0] tensor "
-                         f"(lean backward), got {tuple(logits.shape)} {logits.dtype}")
-    return logits
+    want = saved_logits_bytes(hidden.shape[0], v, chunk, hidden.dtype, hidden.device)
+    if tuple(saved_logits.shape) != (want,) or saved_logits.dtype != torch.uint8:
+        raise ValueError(f"saved_logits must be the forward's saved logits, uint8 [{want}], or an empty [0] "
+                         f"tensor (lean backward), got {tuple(saved_logits.shape)} {saved_logits.dtype}")
+    return saved_logits
 
 
 def _temp(temperature: Tensor) -> Tensor:
@@ -169,8 +169,8 @@ def _keep_sum_like(hidden: Tensor, v: int, chunk: int, keep: Optional[Tensor]) -
 # ---- rlk::forward_stats ---------------------------------------------------------------------------
 
 def _forward_stats(hidden, weight, bias, targets, temperature, vocab_start, real_vocab, chunk, ignore_index,
-                   with_entropy, keep_logits, keep=None, combine_into=(), log_s_keep=None):
-    """(stats, target_logit, kept buffer, keep_sum); with combine_into = (logp, entropy, m, log_s) (a
+                   with_entropy, save_logits, keep=None, combine_into=(), log_s_keep=None):
+    """(stats, target_logit, saved logits, keep_sum); with combine_into = (logp, entropy, m, log_s) (a
     call over the whole vocab) the same C++ call also combines the statistics into them (and, with a
     nucleus, into log_s_keep)."""
     n, v = hidden.shape[0], weight.shape[0]
@@ -178,29 +178,32 @@ def _forward_stats(hidden, weight, bias, targets, temperature, vocab_start, real
         raise ValueError(f"chunk {chunk} must divide the local vocab {v}")
     stats = torch.empty((n, v // chunk, W), dtype=F32, device=hidden.device)
     tl = torch.empty((n,), dtype=F32, device=hidden.device)
-    logits = _logits_like(hidden, v, chunk, keep_logits)
+    saved_logits = _saved_like(hidden, v, chunk, save_logits)
     keep_sum = _keep_sum_like(hidden, v, chunk, keep)
     if n == 0:
-        return stats, tl, logits, keep_sum
-    forward_into(hidden, weight, bias, targets, _temp(temperature), stats, tl, logits if keep_logits else None,
+        return stats, tl, saved_logits, keep_sum
+    forward_into(hidden, weight, bias, targets, _temp(temperature), stats, tl, saved_logits if save_logits else None,
                  _workspace(hidden, v, chunk, bias is not None, with_entropy, "forward"), vocab_start, real_vocab,
                  chunk, ignore_index, with_entropy, combine_into, keep=keep,
                  keep_sum=keep_sum if keep is not None else None, log_s_keep=log_s_keep)
-    return stats, tl, logits, keep_sum
+    return stats, tl, saved_logits, keep_sum
 
 
-def forward_into(hidden, weight, bias32, targets, temperature32, stats, tl, logits, workspace, vocab_start,
+def forward_into(hidden, weight, bias32, targets, temperature32, stats, tl, saved_logits, workspace, vocab_start,
                  real_vocab, chunk, ignore_index, with_entropy, combine_into=(), *, keep=None, keep_sum=None,
                  log_s_keep=None) -> None:
     """The compiled forward writing into buffers the caller owns (the rollout path allocates nothing):
-    stats [n, v/chunk, W] f32, tl [n] f32, logits (kept) or None, workspace (CUDA scratch bytes) or
+    stats [n, v/chunk, W] f32, tl [n] f32, saved_logits or None, workspace (CUDA scratch bytes) or
     None; with combine_into = (logp, entropy, m, log_s) the same call combines the whole vocab into them.
     keep: a nucleus (bool [n, v]) with keep_sum [n, v/chunk] f32 and, combining, log_s_keep [n] f32.
     temperature32 [n] f32 contiguous, targets [n] int32; a non-contiguous input is copied (allocates)."""
+    logp, entropy, m, log_s = combine_into or (None,) * 4
     with _on(hidden):
-        _kernel(core.forward, _c(hidden), _c(weight), _c(bias32), _c(targets), temperature32, stats, tl, logits,
-                workspace, int(vocab_start), int(real_vocab), int(chunk), int(ignore_index), bool(with_entropy),
-                _stream(hidden), *combine_into, keep=_keep(keep), keep_sum=keep_sum, log_s_keep=log_s_keep)
+        _kernel(core.forward, hidden=_c(hidden), weight=_c(weight), bias=_c(bias32), targets=_c(targets),
+                temperature=temperature32, stats=stats, target_logit=tl, saved_logits=saved_logits,
+                workspace=workspace, vocab_start=int(vocab_start), real_vocab=int(real_vocab), chunk=int(chunk),
+                ignore_index=int(ignore_index), with_entropy=bool(with_entropy), stream=_stream(hidden), logp=logp,
+                entropy=entropy, m=m, log_s=log_s, keep=_keep(keep), keep_sum=keep_sum, log_s_keep=log_s_keep)
 
 
 def combine_to(stats, target_logit, targets, logp, ent, m, log_s, real_vocab, ignore_index, keep_sum=None,
@@ -208,27 +211,28 @@ def combine_to(stats, target_logit, targets, logp, ent, m, log_s, real_vocab, ig
     """rlk::combine writing into the caller's [n] f32 buffers (logp, entropy, m, log_s; with the kept
     sums keep_sum [n, chunks], the nucleus's logp and log_s_keep)."""
     with _on(stats):
-        _kernel(core.combine, _c(stats), _c(target_logit), _c(targets), logp, ent, m, log_s, int(real_vocab),
-                int(ignore_index), _stream(stats), keep_sum=_c(keep_sum), log_s_keep=log_s_keep)
+        _kernel(core.combine, stats=_c(stats), target_logit=_c(target_logit), targets=_c(targets), logp=logp,
+                entropy=ent, m=m, log_s=log_s, real_vocab=int(real_vocab), ignore_index=int(ignore_index),
+                stream=_stream(stats), keep_sum=_c(keep_sum), log_s_keep=log_s_keep)
 
 
 @_op("forward_stats")
 def forward_stats(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], targets: Tensor, temperature: Tensor,
                   vocab_start: int, real_vocab: int, chunk: int, ignore_index: int, with_entropy: bool,
-                  keep_logits: bool, keep: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+                  save_logits: bool, keep: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """(stats [n, v/chunk, 3] f32, target_logit [n] f32 (0 unless the target is in this shard; with
-    keep, -inf when it is outside the nucleus), kept buffer uint8 [kept_bytes] or [0], keep_sum
+    keep, -inf when it is outside the nucleus), saved logits uint8 [saved_logits_bytes] or [0], keep_sum
     [n, v/chunk] f32 (the nucleus's sum of exp(z - m_chunk) per chunk) or [0] without keep)."""
     return _forward_stats(hidden, weight, bias, targets, temperature, vocab_start, real_vocab, chunk, ignore_index,
-                          with_entropy, keep_logits, keep)
+                          with_entropy, save_logits, keep)
 
 
 @forward_stats.register_fake
 def _(hidden, weight, bias, targets, temperature, vocab_start, real_vocab, chunk, ignore_index, with_entropy,
-      keep_logits, keep=None):
+      save_logits, keep=None):
     n, v = hidden.shape[0], weight.shape[0]
     return (hidden.new_empty((n, v // chunk, W), dtype=F32), hidden.new_empty((n,), dtype=F32),
-            _logits_like(hidden, v, chunk, keep_logits), _keep_sum_like(hidden, v, chunk, keep))
+            _saved_like(hidden, v, chunk, save_logits), _keep_sum_like(hidden, v, chunk, keep))
 
 
 # ---- rlk::combine ---------------------------------------------------------------------------------
@@ -264,10 +268,10 @@ def _(stats, target_logit, targets, real_vocab, ignore_index, keep_sum=None):
 
 # ---- rlk::linear_logp_backward --------------------------------------------------------------------
 
-def _backward(hidden, weight, bias, targets, temperature, m, log_s, entropy, g, e, logits, vocab_start, real_vocab,
+def _backward(hidden, weight, bias, targets, temperature, m, log_s, entropy, g, e, saved_logits, vocab_start, real_vocab,
               chunk, ignore_index, dhidden_f32, keep, log_s_keep):
     n, h, v = hidden.shape[0], hidden.shape[1], weight.shape[0]
-    kept = _kept(logits, hidden, v, chunk)
+    saved = _saved(saved_logits, hidden, v, chunk)
     dev = hidden.device
     dh = torch.empty((n, h), dtype=F32 if dhidden_f32 else hidden.dtype, device=dev)
     dw = torch.empty((v, h), dtype=weight.dtype, device=dev)
@@ -278,21 +282,23 @@ def _backward(hidden, weight, bias, targets, temperature, m, log_s, entropy, g, 
         return dh, dw, db, dtemp
     with_entropy = entropy is not None and e is not None
     with _on(hidden):
-        _kernel(core.backward, _c(hidden), _c(weight), _c(bias), _c(targets), _temp(temperature), _c(m), _c(log_s),
-                _c(entropy) if with_entropy else None,
-                _c(g.to(F32)), _c(e.to(F32)) if with_entropy else None, kept, dh, dw,
-                db if bias is not None else None, dtemp,
-                _workspace(hidden, v, chunk, bias is not None, with_entropy,
-                           "lean" if kept is None else "fast", dhidden_f32),
-                int(vocab_start), int(real_vocab), int(chunk), int(ignore_index), _stream(hidden),
-                keep=_keep(keep), log_s_keep=_c(log_s_keep) if keep is not None else None)
+        _kernel(core.backward, hidden=_c(hidden), weight=_c(weight), bias=_c(bias), targets=_c(targets),
+                temperature=_temp(temperature), m=_c(m), log_s=_c(log_s),
+                entropy=_c(entropy) if with_entropy else None, g=_c(g.to(F32)),
+                e=_c(e.to(F32)) if with_entropy else None, saved_logits=saved, dhidden=dh, dweight=dw,
+                dbias=db if bias is not None else None, dtemp=dtemp,
+                workspace=_workspace(hidden, v, chunk, bias is not None, with_entropy,
+                                     "lean" if saved is None else "fast", dhidden_f32),
+                vocab_start=int(vocab_start), real_vocab=int(real_vocab), chunk=int(chunk),
+                ignore_index=int(ignore_index), stream=_stream(hidden), keep=_keep(keep),
+                log_s_keep=_c(log_s_keep) if keep is not None else None)
     return dh, dw, db, dtemp
 
 
-@_op("linear_logp_backward", mutates_args=("logits",))
+@_op("linear_logp_backward", mutates_args=("saved_logits",))
 def linear_logp_backward(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], targets: Tensor,
                          temperature: Tensor, m: Tensor, log_s: Tensor, entropy: Optional[Tensor], g: Tensor,
-                         e: Optional[Tensor], logits: Tensor, vocab_start: int, real_vocab: int, chunk: int,
+                         e: Optional[Tensor], saved_logits: Tensor, vocab_start: int, real_vocab: int, chunk: int,
                          ignore_index: int, dhidden_f32: bool, keep: Optional[Tensor] = None,
                          log_s_keep: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """(dhidden [n, h] partial over this shard's vocab, dweight [v, h] in weight's dtype,
@@ -300,14 +306,14 @@ def linear_logp_backward(hidden: Tensor, weight: Tensor, bias: Optional[Tensor],
     dhidden is f32 with dhidden_f32 (a vocab shard's part, to be summed over shards), else in
     hidden's dtype, rounded once from the f32 sum (no f32 [n, h] buffer).
     m, log_s: the combine's (the row max and log sum exp(z - m)).
-    logits: the forward's kept buffer (fast; overwritten on CUDA) or an empty [0] tensor (lean).
+    saved_logits: the forward's (fast; overwritten on CUDA) or an empty [0] tensor (lean).
     keep (the forward's nucleus) with log_s_keep (the combine's): the gradient of the nucleus's logp."""
-    return _backward(hidden, weight, bias, targets, temperature, m, log_s, entropy, g, e, logits, vocab_start,
+    return _backward(hidden, weight, bias, targets, temperature, m, log_s, entropy, g, e, saved_logits, vocab_start,
                      real_vocab, chunk, ignore_index, dhidden_f32, keep, log_s_keep)
 
 
 @linear_logp_backward.register_fake
-def _(hidden, weight, bias, targets, temperature, m, log_s, entropy, g, e, logits, vocab_start, real_vocab, chunk,
+def _(hidden, weight, bias, targets, temperature, m, log_s, entropy, g, e, saved_logits, vocab_start, real_vocab, chunk,
       ignore_index, dhidden_f32, keep=None, log_s_keep=None):
     n, h, v = hidden.shape[0], hidden.shape[1], weight.shape[0]
     return (hidden.new_empty((n, h), dtype=F32 if dhidden_f32 else hidden.dtype), weight.new_empty((v, h)),
@@ -319,34 +325,34 @@ def _(hidden, weight, bias, targets, temperature, m, log_s, entropy, g, e, logit
 @_op("linear_logp")
 def linear_logp(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], targets: Tensor, temperature: Tensor,
                 real_vocab: int, chunk: int, ignore_index: int, with_entropy: bool,
-                keep_logits: bool, keep: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor,
+                save_logits: bool, keep: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor,
                                                                           Tensor]:
-    """(logp, entropy, m, log_s, logits, log_s_keep): [n] f32 each, entropy zeros unless with_entropy,
-    m and log_s the row's max and log sum exp(z - m) (the backward's), the kept buffer for the fast
-    backward ([0] unless keep_logits), and with a nucleus `keep` (logp over it) its log_s_keep (else
+    """(logp, entropy, m, log_s, saved_logits, log_s_keep): [n] f32 each, entropy zeros unless with_entropy,
+    m and log_s the row's max and log sum exp(z - m) (the backward's), the saved logits for the fast
+    backward ([0] unless save_logits), and with a nucleus `keep` (logp over it) its log_s_keep (else
     [0]). No autograd of its own: see LinearLogp."""
     logp, ent, m, log_s = (torch.empty((hidden.shape[0],), dtype=F32, device=hidden.device) for _ in range(4))
     log_s_keep = _log_s_keep_like(hidden, keep is not None)
-    _, _, logits, _ = _forward_stats(hidden, weight, bias, targets, temperature, 0, real_vocab, chunk, ignore_index,
-                                     with_entropy, keep_logits, keep, combine_into=(logp, ent, m, log_s),
+    _, _, saved_logits, _ = _forward_stats(hidden, weight, bias, targets, temperature, 0, real_vocab, chunk, ignore_index,
+                                     with_entropy, save_logits, keep, combine_into=(logp, ent, m, log_s),
                                      log_s_keep=log_s_keep if keep is not None else None)
     if not with_entropy:
         ent.zero_()
-    return logp, ent, m, log_s, logits, log_s_keep
+    return logp, ent, m, log_s, saved_logits, log_s_keep
 
 
 @linear_logp.register_fake
-def _(hidden, weight, bias, targets, temperature, real_vocab, chunk, ignore_index, with_entropy, keep_logits,
+def _(hidden, weight, bias, targets, temperature, real_vocab, chunk, ignore_index, with_entropy, save_logits,
       keep=None):
     n = hidden.shape[0]
     return (*(hidden.new_empty((n,), dtype=F32) for _ in range(4)),
-            _logits_like(hidden, weight.shape[0], chunk, keep_logits), _log_s_keep_like(hidden, keep is not None))
+            _saved_like(hidden, weight.shape[0], chunk, save_logits), _log_s_keep_like(hidden, keep is not None))
 
 
-class KeptLogits:
+class SavedLogits:
     """The fast backward's bookkeeping on an autograd ctx (LinearLogp and the vocab-parallel path).
 
-    The kept logits serve one backward: on CUDA it overwrites them with dlogit, so a second
+    The saved logits serve one backward: on CUDA it overwrites them with dlogit, so a second
     backward through the same graph (retain_graph=True) would read dlogit as logits. That is
     refused on every device alike (the CPU only reads them), before the saved tensors are unpacked
     (whose version check would give a less helpful error). This runs in eager mode only; under
@@ -357,55 +363,55 @@ class KeptLogits:
     bump a saved tensor's version either."""
 
     @staticmethod
-    def setup(ctx, keep_logits: bool) -> None:
-        ctx.keep_logits, ctx.kept_logits_used = bool(keep_logits), False
+    def setup(ctx, save_logits: bool) -> None:
+        ctx.save_logits, ctx.saved_logits_used = bool(save_logits), False
 
     @staticmethod
     def claim(ctx) -> None:
-        if not ctx.keep_logits:
+        if not ctx.save_logits:
             return
-        if ctx.kept_logits_used:
+        if ctx.saved_logits_used:
             raise RuntimeError("torch_bridge.linear_logp: a second backward through the same graph with "
-                               "backward='fast': its kept logits were consumed by the first backward. To "
+                               "backward='fast': its saved logits were consumed by the first backward. To "
                                "backpropagate through one forward more than once pass backward='lean' to "
                                "linear_logp and retain_graph=True to every backward but the last.")
-        ctx.kept_logits_used = True
+        ctx.saved_logits_used = True
 
     @staticmethod
     def for_backward(ctx, saved: Tensor) -> Tensor:
-        return saved if ctx.keep_logits else saved.new_empty((0,))
+        return saved if ctx.save_logits else saved.new_empty((0,))
 
 
 class LinearLogp(torch.autograd.Function):
     """Autograd of rlk::linear_logp: (logp, entropy) of one shard holding the whole vocab.
 
     An autograd.Function rather than register_autograd on the op: the fast backward mutates the
-    kept logits, and AOTAutograd (torch.compile, opcheck) cannot partition a graph whose backward
+    saved logits, and AOTAutograd (torch.compile, opcheck) cannot partition a graph whose backward
     mutates a tensor the forward op returns to the caller (torch 2.13: "Node ... was invalid, but
-    is output"). Here the kept logits stay an intermediate of the Function, never an output."""
+    is output"). Here the saved logits stay an intermediate of the Function, never an output."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias32, temperature, targets, real_vocab: int, chunk: int, ignore_index: int,
-                with_entropy: bool, keep_logits: bool, keep: Optional[Tensor] = None):
-        logp, ent, m, log_s, logits, log_s_keep = run(
-            "linear_logp", hidden, weight, bias32, targets, temperature, real_vocab, chunk, ignore_index, with_entropy, keep_logits,
+                with_entropy: bool, save_logits: bool, keep: Optional[Tensor] = None):
+        logp, ent, m, log_s, saved_logits, log_s_keep = run(
+            "linear_logp", hidden, weight, bias32, targets, temperature, real_vocab, chunk, ignore_index, with_entropy, save_logits,
             keep)
-        ctx.save_for_backward(hidden, weight, bias32, temperature, targets, m, log_s, ent, logits, keep, log_s_keep)
+        ctx.save_for_backward(hidden, weight, bias32, temperature, targets, m, log_s, ent, saved_logits, keep, log_s_keep)
         ctx.cfg = (real_vocab, chunk, ignore_index, with_entropy)
-        KeptLogits.setup(ctx, keep_logits)
+        SavedLogits.setup(ctx, save_logits)
         return logp, ent
 
     @staticmethod
     def backward(ctx, g, e):
-        KeptLogits.claim(ctx)
-        hidden, weight, bias32, temperature, targets, m, log_s, ent, logits, keep, log_s_keep = ctx.saved_tensors
+        SavedLogits.claim(ctx)
+        hidden, weight, bias32, temperature, targets, m, log_s, ent, saved_logits, keep, log_s_keep = ctx.saved_tensors
         real_vocab, chunk, ignore_index, with_entropy = ctx.cfg
         g = torch.zeros_like(m) if g is None else g.contiguous()
         if with_entropy:
             e = torch.zeros_like(m) if e is None else e.contiguous()
         dh, dw, db, dtemp = run(
             "linear_logp_backward", hidden, weight, bias32, targets, temperature, m, log_s, ent if with_entropy else None, g,
-            e if with_entropy else None, KeptLogits.for_backward(ctx, logits), 0, real_vocab, chunk, ignore_index, False,
+            e if with_entropy else None, SavedLogits.for_backward(ctx, saved_logits), 0, real_vocab, chunk, ignore_index, False,
             keep, log_s_keep if keep is not None else None)
         return (dh, dw, (db if bias32 is not None else None), dtemp, None, None, None, None, None,
                 None, None)

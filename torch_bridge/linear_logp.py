@@ -6,7 +6,7 @@ per-chunk statistics placed at their global chunk offset in a zero [n, K, 3] ten
 all-reduced (SUM adds exact zeros, so every rank holds the same statistics), rlk::combine in the
 fixed chunk order (bitwise the same for TP = 1, 2, 4, 8), rlk::linear_logp_backward plus an
 all-reduce of dH (unless reduce_grad_hidden=False) and of the temperature gradient.
-Either way the backward is "fast" (reads logits the forward kept) or "lean" (recomputes them),
+Either way the backward is "fast" (reads logits the forward saved) or "lean" (recomputes them),
 resolved once per call by _args.resolve_backward.
 """
 from __future__ import annotations
@@ -47,7 +47,7 @@ def linear_logp(hidden, weight, targets, *, bias=None, temperature=1.0, ignore_i
     compares on the host: RuntimeError inside torch.compile).
     backward: the gradient's strategy, "auto" (default), "fast" or "lean", with
     backward_memory_budget (bytes) the budget of auto: rlk_common.resolve_backward's docstring.
-    fast's kept buffer serves one backward (CUDA overwrites it): a second backward through the
+    fast's saved logits serves one backward (CUDA overwrites it): a second backward through the
     same forward (retain_graph=True) raises; pass "lean" for that. Nothing is kept when no
     gradient is needed.
     keep_mask: a top-p nucleus, bool [..., V_local] (targets' shape, then this rank's vocab shard), or
@@ -60,7 +60,7 @@ def linear_logp(hidden, weight, targets, *, bias=None, temperature=1.0, ignore_i
     return_entropy = common.check_flag("return_entropy", return_entropy)
     a = parse(hidden, weight, targets, bias=bias, temperature=temperature, ignore_index=ignore_index,
               vocab_start=vocab_start, real_vocab_size=real_vocab_size, tp_group=tp_group, keep_mask=keep_mask)
-    keep_logits = resolve_backward(backward, a.n, a.weight.shape[0], a.chunk, a.hidden.dtype, a.hidden.device,
+    save_logits = resolve_backward(backward, a.n, a.weight.shape[0], a.chunk, a.hidden.dtype, a.hidden.device,
                                    backward_memory_budget) == "fast" and _needs_grad(a)
     eager = not torch.compiler.is_compiling()
     if mode == "audit" and not eager:
@@ -71,7 +71,7 @@ def linear_logp(hidden, weight, targets, *, bias=None, temperature=1.0, ignore_i
         _validate_targets(targets, a.real_vocab, ignore_index)
     route = common.route_call(mode, a.n, unsupported(a.hidden), "torch_bridge.linear_logp")
     if route.fused:
-        logp, ent = fused_rows(a, return_entropy, reduce_grad_hidden, keep_logits)
+        logp, ent = fused_rows(a, return_entropy, reduce_grad_hidden, save_logits)
         if eager:
             routes.note_backend(a.hidden.device.type)
         if route.audit:
@@ -87,7 +87,7 @@ def linear_logp(hidden, weight, targets, *, bias=None, temperature=1.0, ignore_i
 
 
 def _needs_grad(a: Args) -> bool:
-    """Whether this call's backward can run (only then are logits worth keeping)."""
+    """Whether this call's backward can run (only then are logits worth saving)."""
     ts = (a.hidden, a.weight, a.bias, a.temperature)
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in ts)
 
@@ -96,16 +96,16 @@ def _capturing(t: torch.Tensor) -> bool:
     return t.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
-def fused_rows(a: Args, with_entropy: bool, reduce_grad_hidden: bool = True, keep_logits: bool = False):
+def fused_rows(a: Args, with_entropy: bool, reduce_grad_hidden: bool = True, save_logits: bool = False):
     """logp and entropy ([n] f32; entropy zeros unless asked) through the compiled kernels;
-    keep_logits: the fast backward (the forward keeps this shard's logits for it)."""
+    save_logits: the fast backward (the forward saves this shard's logits for it)."""
     bias = None if a.bias is None else a.bias.to(F32)  # the kernels take the bias in fp32
     if a.tp_group is None:
         return _ops.LinearLogp.apply(a.hidden, a.weight, bias, a.temperature, a.targets, a.real_vocab, a.chunk,
-                                     a.ignore_index, with_entropy, keep_logits, a.keep)
+                                     a.ignore_index, with_entropy, save_logits, a.keep)
     cfg = _TPConfig(vocab_start=a.vocab_start, real_vocab=a.real_vocab, v_global=a.v_global, chunk=a.chunk,
                     ignore_index=a.ignore_index, with_entropy=with_entropy, group=a.tp_group,
-                    reduce_grad_hidden=reduce_grad_hidden, keep_logits=keep_logits)
+                    reduce_grad_hidden=reduce_grad_hidden, save_logits=save_logits)
     return _VocabParallel.apply(a.hidden, a.weight, bias, a.temperature, a.targets, a.keep, cfg)
 
 
@@ -119,17 +119,17 @@ class _TPConfig:
     with_entropy: bool
     group: Any
     reduce_grad_hidden: bool
-    keep_logits: bool
+    save_logits: bool
 
 
 def tp_forward(hidden, weight, bias32, temperature, targets, keep, cfg: _TPConfig):
     """(logp, entropy, m, log_s, log_s_keep) of one rank's shard, the statistics (and with a nucleus
-    `keep` its kept sums) combined over cfg.group, and the shard's kept buffer ([0] unless
-    cfg.keep_logits)."""
+    `keep` its kept sums) combined over cfg.group, and the shard's saved logits ([0] unless
+    cfg.save_logits)."""
     import torch.distributed as dist
-    stats, tl, logits, keep_sum = _ops.run(
+    stats, tl, saved_logits, keep_sum = _ops.run(
         "forward_stats", hidden, weight, bias32, targets, temperature, cfg.vocab_start, cfg.real_vocab, cfg.chunk, cfg.ignore_index,
-        cfg.with_entropy, cfg.keep_logits, keep)
+        cfg.with_entropy, cfg.save_logits, keep)
     n, k_local, w = stats.shape
     k, off = cfg.v_global // cfg.chunk, cfg.vocab_start // cfg.chunk
     # One buffer: the statistics [n, k, w], then (with a nucleus) the kept sums [n, k], each shard's
@@ -145,32 +145,32 @@ def tp_forward(hidden, weight, bias32, temperature, targets, keep, cfg: _TPConfi
     full_stats = full[:, :kw].reshape(n, k, w)
     full_keep = full[:, kw:].contiguous() if keep is not None else None
     return (*_ops.run("combine", full_stats.contiguous(), tl, targets, cfg.real_vocab, cfg.ignore_index, full_keep),
-            logits)
+            saved_logits)
 
 
 class _VocabParallel(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias32, temperature, targets, keep, cfg: _TPConfig):
-        logp, ent, m, log_s, log_s_keep, logits = tp_forward(hidden, weight, bias32, temperature, targets, keep, cfg)
+        logp, ent, m, log_s, log_s_keep, saved_logits = tp_forward(hidden, weight, bias32, temperature, targets, keep, cfg)
         if not cfg.with_entropy:
             ent = torch.zeros_like(logp)
-        ctx.save_for_backward(hidden, weight, bias32, temperature, targets, m, log_s, ent, logits, keep, log_s_keep)
+        ctx.save_for_backward(hidden, weight, bias32, temperature, targets, m, log_s, ent, saved_logits, keep, log_s_keep)
         ctx.cfg = cfg
-        _ops.KeptLogits.setup(ctx, cfg.keep_logits)
+        _ops.SavedLogits.setup(ctx, cfg.save_logits)
         return logp, ent
 
     @staticmethod
     def backward(ctx, g, e):
         import torch.distributed as dist
-        _ops.KeptLogits.claim(ctx)
-        hidden, weight, bias32, temperature, targets, m, log_s, ent, logits, keep, log_s_keep = ctx.saved_tensors
+        _ops.SavedLogits.claim(ctx)
+        hidden, weight, bias32, temperature, targets, m, log_s, ent, saved_logits, keep, log_s_keep = ctx.saved_tensors
         cfg = ctx.cfg
         g = torch.zeros_like(m) if g is None else g.contiguous()
         if cfg.with_entropy:
             e = torch.zeros_like(m) if e is None else e.contiguous()
         dh, dw, db, dtemp = _ops.run(
             "linear_logp_backward", hidden, weight, bias32, targets, temperature, m, log_s, ent if cfg.with_entropy else None, g,
-            e if cfg.with_entropy else None, _ops.KeptLogits.for_backward(ctx, logits), cfg.vocab_start,
+            e if cfg.with_entropy else None, _ops.SavedLogits.for_backward(ctx, saved_logits), cfg.vocab_start,
             cfg.real_vocab, cfg.chunk, cfg.ignore_index, True,  # f32 partials: summed over the shards
             keep, log_s_keep if keep is not None else None)
         if cfg.reduce_grad_hidden and ctx.needs_input_grad[0]:

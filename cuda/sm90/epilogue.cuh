@@ -4,9 +4,9 @@
 //           (64 per lane), so a tile costs a thread-local pass plus two xor shuffles. Exponentials
 //           use ex2 on log2e-scaled logits; (m, s, a) go back to natural units per tile and are
 //           merged with stats_merge. Logits never leave registers.
-//   kKeep   the same, and the fast backward's kept record: q = exp(z - tile max), the exponentials
+//   kSave   the same, and the fast backward's saved record: q = exp(z - tile max), the exponentials
 //           the fold computes anyway, as fp16 through the tile store; the tile max of each row
-//           (both 128-column groups of the tile, KeptLayout) and the moment b into the partials;
+//           (both 128-column groups of the tile, SavedLayout) and the moment b into the partials;
 //   kDlogit turns z into dlogit = dz / T from the row's lse (and entropy and upstream gradients) and
 //           stores it in the operand dtype through the tile store; sum dz z per (row, split) for dT.
 // The tile store: stmatrix puts half a tile (64x128, 2-byte values) into a 128-byte-swizzled
@@ -48,7 +48,7 @@ template <bool kBf16> struct PackDtype {  // d holds dlogit (or q, fp16): rounde
   }
 };
 
-// ---- tile store (kKeep, kDlogit) ------------------------------------------------------------------
+// ---- tile store (kSave, kDlogit) ------------------------------------------------------------------
 // A consumer warpgroup's staging buffer holds half a tile, 64 rows x 128 columns, as two 64x64
 // boxes in TMA's 128-byte swizzle (16-byte chunk c of row r sits at chunk c ^ (r % 8)): stmatrix
 // then writes eight rows of one chunk column into eight different bank groups.
@@ -129,10 +129,10 @@ __device__ __forceinline__ void scale_tile(float* d, int64_t t0, int64_t col_end
   }
 }
 
-// ---- epilogue (kStats, kKeep): fold the scaled tile into the two rows' running statistics -------
+// ---- epilogue (kStats, kSave): fold the scaled tile into the two rows' running statistics -------
 // A row's 256 values live in one quad of lanes (64 per lane): a thread-local pass plus two xor
 // shuffles. Exponentials use ex2 on the log2e-scaled logits; (m, s, a) are converted back to natural
-// units per tile and merged with stats_merge (kKeep: with b, by moments_merge: the same (m, s, a)).
+// units per tile and merged with stats_merge (kSave: with b, by moments_merge: the same (m, s, a)).
 struct TileSums {  // the tile's sums of the thread's two rows, in log2 units
   float s[2] = {0.f, 0.f}, a[2] = {0.f, 0.f}, b[2] = {0.f, 0.f};
 };
@@ -147,9 +147,9 @@ __device__ __forceinline__ void row_max(float (&mx)[2], float (&mref)[2]) {
   }
 }
 
-// Half `half` of the lane's values into the sums, in column order; kKeep also accumulates b and
+// Half `half` of the lane's values into the sums, in column order; kSave also accumulates b and
 // leaves q = ex2(z log2e - mref) in d for the tile store.
-template <bool kKeep>
+template <bool kSave>
 __device__ __forceinline__ void fold_half(float* d, int half, const float (&mref)[2], TileSums& t) {
 #pragma unroll
   for (int jj = 0; jj < 16; ++jj) {
@@ -162,7 +162,7 @@ __device__ __forceinline__ void fold_half(float* d, int half, const float (&mref
       x = ex > 0.f ? x : 0.f;  // -inf logits (masked, padding, or a -inf bias): 0, not -inf * 0
       t.s[r] += ex;
       t.a[r] = fmaf(ex, x, t.a[r]);
-      if constexpr (kKeep) {
+      if constexpr (kSave) {
         t.b[r] = fmaf(ex * x, x, t.b[r]);
         d[4 * j + q] = ex;
       }
@@ -193,11 +193,11 @@ __device__ __forceinline__ void merge_tile(TileSums& t, const float (&mx)[2], fl
   }
 }
 
-// kKeep: the rows' max of the unit's tile t (natural units) as the group max of both 128-column
-// groups of the tile that lie inside the unit's columns (KeptLayout). gmax: row A's entry for the
+// kSave: the rows' max of the unit's tile t (natural units) as the group max of both 128-column
+// groups of the tile that lie inside the unit's columns (SavedLayout). gmax: row A's entry for the
 // unit's first group (null past the pass's rows); row B's lies 8 head rows further.
 __device__ __forceinline__ void store_group_max(const float (&mx)[2], int t, bool second, bool row_b, float* gmax,
-                                                const KeepRows& K) {
+                                                const SaveRows& K) {
   if (threadIdx.x % 4 != 0 || gmax == nullptr) return;
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
@@ -262,7 +262,7 @@ __device__ __forceinline__ void dlogit_row(float* d, int r, int half, int64_t t0
 template <Epi kEpi> struct RowState {  // kStats: the running (m, s, a)
   float run[2][3] = {{-INFINITY, 0.f, 0.f}, {-INFINITY, 0.f, 0.f}};
 };
-template <> struct RowState<Epi::kKeep> {  // kKeep: the running (m, s, a, b), and where the group
+template <> struct RowState<Epi::kSave> {  // kSave: the running (m, s, a, b), and where the group
   float run[2][4] = {{-INFINITY, 0.f, 0.f, 0.f}, {-INFINITY, 0.f, 0.f, 0.f}};  // maxima go (store_group_max)
   float* gmax = nullptr;
 };
@@ -290,21 +290,21 @@ __device__ __forceinline__ void epilogue(float* d, int t, int64_t t0, int64_t co
     float mref[2];
     row_max(mx, mref);
     TileSums sums;
-    constexpr bool kKeep = kEpi == Epi::kKeep;
-    fold_half<kKeep>(d, 0, mref, sums);
+    constexpr bool kSave = kEpi == Epi::kSave;
+    fold_half<kSave>(d, 0, mref, sums);
     // half 1 is folded while the TMA reads half 0's q out of the staging buffer
-    if constexpr (kKeep) {
+    if constexpr (kSave) {
       store_half(d, PackDtype<false>{}, 0, t0, col_end, P, tmO, buf, cw, row0);
       store_group_max(mx, t, t0 + kBN / 2 < col_end, rowA + 8 < P.rows, st.gmax, G);
     }
-    fold_half<kKeep>(d, 1, mref, sums);
-    if constexpr (kKeep) store_half(d, PackDtype<false>{}, 1, t0, col_end, P, tmO, buf, cw, row0);
+    fold_half<kSave>(d, 1, mref, sums);
+    if constexpr (kSave) store_half(d, PackDtype<false>{}, 1, t0, col_end, P, tmO, buf, cw, row0);
     merge_tile(sums, mx, st.run);
   }
 }
 
 // After the unit's last tile: the per-(row, split) partials of the thread's two rows (A, B) to
-// P.part, once per quad (kStats, kKeep: (m, s, a); kDlogit: sum dz z, when P.part is set).
+// P.part, once per quad (kStats, kSave: (m, s, a); kDlogit: sum dz z, when P.part is set).
 template <Epi kEpi>
 __device__ __forceinline__ void store_partials(RowState<kEpi>& st, const Params& P, int lane, int64_t rowA,
                                                int64_t rowB, int64_t cu) {
@@ -327,7 +327,7 @@ __device__ __forceinline__ void store_partials(RowState<kEpi>& st, const Params&
       if (rows[r] >= P.rows) continue;
       float* o = P.part + (rows[r] * P.nsplit + cu) * kPartWidth;
       o[0] = st.run[r][0]; o[1] = st.run[r][1]; o[2] = st.run[r][2];
-      if constexpr (kEpi == Epi::kKeep) o[3] = st.run[r][3];
+      if constexpr (kEpi == Epi::kSave) o[3] = st.run[r][3];
       else o[3] = 0.f;
     }
   }

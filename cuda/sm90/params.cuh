@@ -5,7 +5,7 @@
 #include <cstdint>
 #include <type_traits>
 
-#include "linear_logp_cuda.h"  // KeptLayout
+#include "linear_logp_cuda.h"  // SavedLayout
 
 namespace rlk::cuda::detail::sm90 {
 
@@ -14,12 +14,12 @@ constexpr int kBM = 128, kBN = 256, kBK = 64;
 
 // What the epilogue does with each logit tile (the kernel's template parameter).
 //   kStats   the forward: fold the tile into per-row (m, s, a); logits never leave registers;
-//   kKeep    the same, and also the fast backward's kept record: q = exp(z - tile max) as fp16,
-//            the tile maxima and the moment b (linear_logp_cuda.h, KeptLayout);
+//   kSave    the same, and also the fast backward's saved record: q = exp(z - tile max) as fp16,
+//            the tile maxima and the moment b (linear_logp_cuda.h, SavedLayout);
 //   kDlogit  the lean backward's recompute: dlogit = dz * inv_temp from the row's lse (and entropy
 //            and upstream gradients), stored in the operand dtype; with a dT, sum_j dz z per
 //            (row, split).
-enum class Epi { kStats, kKeep, kDlogit };
+enum class Epi { kStats, kSave, kDlogit };
 
 struct Params {
   int64_t rows;       // valid rows of hidden (this pass)
@@ -30,8 +30,8 @@ struct Params {
   int64_t vocab_start, real_vocab;
   const float* bias;  // f32, of local column 0, or null
   const float* temperature;
-  float* part;        // kStats, kKeep: [rows, nsplit, kPartWidth]; kDlogit: [rows, nsplit] sum dz z, or null
-  uint16_t* out;      // [rows, ldo] 2-byte tile output: q (kKeep) or dlogit (kDlogit)
+  float* part;        // kStats, kSave: [rows, nsplit, kPartWidth]; kDlogit: [rows, nsplit] sum dz z, or null
+  uint16_t* out;      // [rows, ldo] 2-byte tile output: q (kSave) or dlogit (kDlogit)
   int64_t ldo, cols;  // its row stride and width (columns past `cols` are not written)
   bool out_tma;       // the output goes out by TMA (16-byte aligned rows and tile starts)
 };
@@ -43,14 +43,14 @@ struct GradRows {
   const float *m, *log_s, *ent, *g, *e;  // ent, e may be null (no entropy term)
   int64_t ignore_index;
 };
-// kKeep's: where the group maxima of the kept record go (this pass's rows).
-struct KeepRows {
-  float* head;  // [rows, layout.floats] the kept record's head
-  KeptLayout layout;
+// kSave's: where the group maxima of the saved record go (this pass's rows).
+struct SaveRows {
+  float* head;  // [rows, layout.floats] the saved record's head
+  SavedLayout layout;
 };
 struct NoGradRows {};
 template <Epi kEpi>
 using GradArg = std::conditional_t<kEpi == Epi::kDlogit, GradRows,
-                                   std::conditional_t<kEpi == Epi::kKeep, KeepRows, NoGradRows>>;
+                                   std::conditional_t<kEpi == Epi::kSave, SaveRows, NoGradRows>>;
 
 }  // namespace rlk::cuda::detail::sm90

@@ -109,7 +109,7 @@ RLK_HD void stats_merge(float m2, float s2, float a2, float& m, float& s, float&
   }
 }
 
-// The kept records' chunk moments: (m, s, a) as stats_merge, plus b = sum_j exp(z_j - m) (z_j - m)^2
+// The saved records' chunk moments: (m, s, a) as stats_merge, plus b = sum_j exp(z_j - m) (z_j - m)^2
 // (the fast backward's dT, see moments_dzz). (m, s, a) come out with stats_merge's bits.
 RLK_HD void moments_merge(float m2, float s2, float a2, float b2, float& m, float& s, float& a, float& b) {
   // Explicit fmaf: no product here is shared with stats_merge's expressions, whose contraction
@@ -133,7 +133,7 @@ RLK_HD void moments_merge(float m2, float s2, float a2, float b2, float& m, floa
 // (relative to m_c), for a row of max m and log-sum log_s, c = log_s - ent, upstream grads g, e,
 // without the target's g (z_t - m): with d = m_c - m and w = exp(d - log_s) (p = w exp(z - m_c)),
 //   w [(c e - g)(a_c + d s_c) - e (b_c + d (2 a_c + d s_c))].
-// The fast backward's dT from fp32 sums, where its kept fp16 probabilities would round it.
+// The fast backward's dT from fp32 sums, where its saved fp16 probabilities would round it.
 // A chunk whose p all underflow (w = 0) adds 0, as its columns do in lean's sum: its d^2 s_c may
 // overflow (a logit spread above about 1e19), and 0 * inf is NaN. (A NaN row's g is NaN and keeps
 // its dT NaN through the chunk of its max, where w > 0.)
@@ -244,8 +244,8 @@ RLK_HD float dz_of(float zm, float p, float pk, bool is_target, float log_s, flo
 //        real id of this shard (with keep: -inf when it is outside K), else 0 (so a sum over
 //        shards is exact); keep_sum [n, num_chunks] f32 (with keep) = sum_{j in K, chunk} exp(z_j -
 //        m_chunk), m_chunk the chunk's statistic m; logits (null unless the fast backward will
-//        follow): kept_bytes(p, backend) bytes, whatever the backward of that backend needs in its
-//        own layout (see kept_bytes).
+//        follow): saved_logits_bytes(p, backend) bytes, whatever the backward of that backend needs in its
+//        own layout (see saved_logits_bytes).
 struct FwdArgs {
   const void* hidden = nullptr;
   const void* weight = nullptr;
@@ -256,7 +256,7 @@ struct FwdArgs {
   float* stats = nullptr;
   float* target_logit = nullptr;
   float* keep_sum = nullptr;
-  void* logits = nullptr;
+  void* saved_logits = nullptr;
 };
 
 // Combine: all chunks of the global vocab (k of them) -> logp, entropy, m, log_s [n] f32 (m and
@@ -296,7 +296,7 @@ RLK_HD void combine_one(const CombineArgs& a, int64_t i) {
 //        dbias [v] f32 (null when !has_bias), dtemp [n] f32 (may be null) = this shard's part of
 //        dT = -inv_temp * sum_j dz_j z_j (the frontends sum it over shards).
 //   With keep (the forward's, null: none) and the combine's log_s_keep [n], the nucleus's dz.
-//   Strategy: with `logits` (the forward's kept buffer, kept_bytes of the backend) the backward
+//   Strategy: with `logits` (the forward's saved logits, saved_logits_bytes of the backend) the backward
 //   reads it instead of recomputing z ("fast"; the CUDA backend overwrites the buffer with dlogit,
 //   so it serves one backward); without, it recomputes z tile by tile ("lean").
 struct BwdArgs {
@@ -312,7 +312,7 @@ struct BwdArgs {
   const float* e = nullptr;
   const uint8_t* keep = nullptr;
   const float* log_s_keep = nullptr;
-  void* logits = nullptr;
+  void* saved_logits = nullptr;
   void* dhidden = nullptr;
   DType dhidden_dtype = DType::kF32;  // kF32 or the Problem's dtype
   void* dweight = nullptr;
@@ -334,17 +334,17 @@ inline Status check_dhidden_dtype(const Problem& p, DType t) {
 enum class Backend : int32_t { kCpu = 0, kCudaSm90 = 1, kCudaPortable = 2, kCudaBlas = 3, kCount = 4 };
 const char* backend_name(Backend b);
 struct RouteCounts { int64_t fwd_calls, fwd_tokens, bwd_calls, bwd_tokens, bwd_fast_calls; };
-// Thread-safe. `fast`: a backward that read the kept logits.
+// Thread-safe. `fast`: a backward that read the saved logits.
 void count_call(Backend b, bool backward, int64_t tokens, bool fast = false);
 RouteCounts read_counts(Backend b);
 void reset_counts();
 
 namespace cpu {
-// Bytes of the CPU backend's kept buffer (FwdArgs::logits, BwdArgs::logits): z fp32 (n v floats,
+// Bytes of the CPU backend's saved logits (FwdArgs::saved_logits, BwdArgs::saved_logits): z fp32 (n v floats,
 // by row block) for fp32 operands; for 16-bit operands a record per row of fp16 q = exp(z - tile
-// max) with the fp32 tile maxima, chunk moments and target logit (cpu/linear_logp_cpu.cc).
+// max) with the fp32 tile maxima, chunk moments and target logit (cpu/saved_logits.h).
 // Row-separable: the bytes of n rows are n times those of one.
-size_t kept_bytes(const Problem& p);
+size_t saved_logits_bytes(const Problem& p);
 Status forward(const Problem& p, const FwdArgs& a);
 Status combine(const CombineArgs& a);
 Status backward(const Problem& p, const BwdArgs& a);

@@ -141,7 +141,7 @@ struct Outputs {
   std::vector<float> stats, tlogit, logp, lse, ent, dh, db, dzz;
   std::vector<uint16_t> dw16; std::vector<float> dw32;
   Backend fwd_be = Backend::kCount;
-  bool kept_written = true;  // fast: every byte of the kept record written (the poison is NaN)
+  bool saved_written = true;  // fast: every byte of the saved record written (the poison is NaN)
 };
 
 // fast: the forward keeps the logits and the backward reads (and overwrites) them. dh_dtype: f32
@@ -153,20 +153,20 @@ static Outputs run_once(const Inputs& in, bool bwd, bool fast, DType dh_dtype) {
   DevBuf stats(size_t(p.n) * K * kStatWidth * 4), tl(p.n * 4), logp(p.n * 4), m(p.n * 4), log_s(p.n * 4), ent(p.n * 4);
   DevBuf fws(cuda::forward_workspace_bytes(p));
   stats.poison(); tl.poison(); logp.poison(); m.poison(); log_s.poison(); ent.poison(); fws.poison();
-  DevBuf kept(bwd && fast ? cuda::kept_bytes(p) : 0);
-  kept.poison();
+  DevBuf saved(bwd && fast ? cuda::saved_logits_bytes(p) : 0);
+  saved.poison();
   FwdArgs fa;
   fa.hidden = in.hidden; fa.weight = in.weight; fa.bias = in.bias; fa.targets = in.targets;
-  fa.temperature = in.temperature; fa.stats = stats.as<float>(); fa.target_logit = tl.as<float>(); fa.logits = kept.p;
+  fa.temperature = in.temperature; fa.stats = stats.as<float>(); fa.target_logit = tl.as<float>(); fa.saved_logits = saved.p;
   CKS(cuda::forward(p, fa, {fws.p, fws.bytes}, 0, &o.fwd_be));
-  if (kept.p) {  // z or the head: fp32, never NaN here; q: fp16 in [0, 1]
-    const size_t f32 = p.dtype == DType::kF32 ? kept.bytes / 4 : size_t(p.n) * cuda::KeptLayout(p).floats;
-    const std::vector<float> z = kept.get<float>(f32);
-    for (float x : z) o.kept_written &= !std::isnan(x);
+  if (saved.p) {  // z or the head: fp32, never NaN here; q: fp16 in [0, 1]
+    const size_t f32 = p.dtype == DType::kF32 ? saved.bytes / 4 : size_t(p.n) * cuda::SavedLayout(p).floats;
+    const std::vector<float> z = saved.get<float>(f32);
+    for (float x : z) o.saved_written &= !std::isnan(x);
     if (p.dtype != DType::kF32) {
       std::vector<uint16_t> q(size_t(p.n) * p.v);
-      CK(cudaMemcpy(q.data(), static_cast<char*>(kept.p) + f32 * 4, q.size() * 2, cudaMemcpyDeviceToHost));
-      for (uint16_t x : q) o.kept_written &= x <= 0x3c00;
+      CK(cudaMemcpy(q.data(), static_cast<char*>(saved.p) + f32 * 4, q.size() * 2, cudaMemcpyDeviceToHost));
+      for (uint16_t x : q) o.saved_written &= x <= 0x3c00;
     }
   }
   CombineArgs ca;
@@ -189,7 +189,7 @@ static Outputs run_once(const Inputs& in, bool bwd, bool fast, DType dh_dtype) {
   ba.temperature = in.temperature; ba.m = m.as<float>(); ba.log_s = log_s.as<float>(); ba.entropy = p.with_entropy ? ent.as<float>() : nullptr;
   ba.g = in.g; ba.e = p.with_entropy ? in.e : nullptr;
   ba.dhidden = dh.p; ba.dhidden_dtype = dh_dtype; ba.dweight = dw.p; ba.dbias = p.has_bias ? db.as<float>() : nullptr;
-  ba.dtemp = dzz.as<float>(); ba.logits = kept.p;
+  ba.dtemp = dzz.as<float>(); ba.saved_logits = saved.p;
   CKS(cuda::backward(p, ba, {bws.p, bws.bytes}, 0));
   CK(cudaDeviceSynchronize());
   if (dh_dtype == DType::kF32) o.dh = dh.get<float>(size_t(p.n) * p.h);
@@ -217,7 +217,7 @@ static std::vector<Row> g_rows;
 
 struct Case {
   int64_t n, h, v; DType dt; bool bias, entropy; int64_t pad; bool bwd = true; int64_t sub0 = -1, sub1 = -1; bool tp = false; bool portable = false;
-  bool fast = false;  // the fast backward (kept logits) instead of the lean one
+  bool fast = false;  // the fast backward (saved logits) instead of the lean one
   bool misalign = false;  // hidden 2 bytes off 16-byte alignment: no TMA (portable forward, lean's gemm path)
 };
 
@@ -379,7 +379,7 @@ static void run_case(const Case& c, uint64_t seed) {
     for (float x : o.dw32) wr &= std::isfinite(x);
     for (size_t i = 0; i < o.dw16.size(); ++i) wr &= std::isfinite(h2f(c.dt, o.dw16.data(), i));
   }
-  row.written = wr && o.kept_written;
+  row.written = wr && o.saved_written;
   // determinism: a second run
   {
     Outputs o2 = run_once(in, c.bwd, c.fast, dh_dtype);
@@ -451,8 +451,8 @@ static void bench_shape(const char* name, int64_t n, int64_t h, int64_t v, int r
   DevBuf stats(size_t(n) * K * 12), tl(n * 4), logp(n * 4), m(n * 4), log_s(n * 4), ent(n * 4), fws(cuda::forward_workspace_bytes(p));
   DevBuf dh(size_t(n) * h * 2), dw(size_t(v) * h * 2), dzz(n * 4);
   DevBuf lean_ws(cuda::backward_workspace_bytes(p, false, p.dtype)), fast_ws(cuda::backward_workspace_bytes(p, true, p.dtype));
-  DevBuf kept(cuda::kept_bytes(p));
-  for (DevBuf* b : {&stats, &tl, &logp, &m, &log_s, &ent, &dh, &dw, &dzz, &kept}) CK(cudaMemset(b->p, 0, b->bytes));  // fingerprinted
+  DevBuf saved(cuda::saved_logits_bytes(p));
+  for (DevBuf* b : {&stats, &tl, &logp, &m, &log_s, &ent, &dh, &dw, &dzz, &saved}) CK(cudaMemset(b->p, 0, b->bytes));  // fingerprinted
   FwdArgs fa; fa.hidden = H.p; fa.weight = W.p; fa.targets = T.as<int32_t>(); fa.temperature = IT.as<float>();
   fa.stats = stats.as<float>(); fa.target_logit = tl.as<float>();
   CombineArgs ca; ca.n = n; ca.k = K; ca.real_vocab = v; ca.stats = stats.as<float>(); ca.target_logit = tl.as<float>();
@@ -464,8 +464,8 @@ static void bench_shape(const char* name, int64_t n, int64_t h, int64_t v, int r
   Backend be = Backend::kCount;
   // one timed step: the forward (+ combine), keeping the logits or not, then optionally a backward
   auto step = [&](bool keep, int bwd /*0 none, 1 lean, 2 fast*/) {
-    fa.logits = keep ? kept.p : nullptr;
-    ba.logits = bwd == 2 ? kept.p : nullptr;
+    fa.saved_logits = keep ? saved.p : nullptr;
+    ba.saved_logits = bwd == 2 ? saved.p : nullptr;
     CK(cudaEventRecord(e0));
     CKS(cuda::forward(p, fa, {fws.p, fws.bytes}, 0, &be));
     CKS(cuda::combine(ca, 0));
@@ -485,15 +485,15 @@ static void bench_shape(const char* name, int64_t n, int64_t h, int64_t v, int r
   const float mf = timed(false, 0, reps);
   bits[0] = fingerprint({&stats, &tl, &logp, &m, &log_s});
   const float mk = timed(true, 0, reps);
-  bits[1] = fingerprint({&kept});
+  bits[1] = fingerprint({&saved});
   const float ml = timed(false, 1, breps);
   bits[2] = fingerprint({&dh, &dw, &dzz});
   const float mfa = timed(true, 2, breps);
-  bits[3] = fingerprint({&dh, &dw, &dzz, &kept});
+  bits[3] = fingerprint({&dh, &dw, &dzz, &saved});
   const double flop = 2.0 * n * h * v;
   printf("BENCH %-9s n=%-6lld h=%-5lld v=%-7lld fwd[%s] %8.3f ms (%5.0f TFLOP/s) fwd+keep %8.3f  fwd+bwd lean %9.3f ms  "
-         "fast %9.3f ms  ws lean %zu MB fast %zu MB kept %zu MB\n", name, (long long)n, (long long)h, (long long)v,
-         backend_name_local(be), mf, flop / mf * 1e-9, mk, ml, mfa, lean_ws.bytes >> 20, fast_ws.bytes >> 20, kept.bytes >> 20);
+         "fast %9.3f ms  ws lean %zu MB fast %zu MB saved %zu MB\n", name, (long long)n, (long long)h, (long long)v,
+         backend_name_local(be), mf, flop / mf * 1e-9, mk, ml, mfa, lean_ws.bytes >> 20, fast_ws.bytes >> 20, saved.bytes >> 20);
   printf("BENCH bits %-9s fwd %016llx keep %016llx lean %016llx fast %016llx\n", name, bits[0], bits[1], bits[2], bits[3]);
   fflush(stdout);
   cudaEventDestroy(e0); cudaEventDestroy(e1);
