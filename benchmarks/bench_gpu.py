@@ -47,6 +47,7 @@ import time
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # JAX and torch share the GPU here
 
 import rlk_common as common  # noqa: E402
+from rlk_common.progress import Progress  # noqa: E402
 import torch  # noqa: E402
 from triton.testing import do_bench  # noqa: E402
 
@@ -317,9 +318,10 @@ def no_gc():
         gc.enable()
 
 
-def measure(frontend, fwd, train, case, fwd_cache):
+def measure(frontend, fwd, train, case, fwd_cache, stage=lambda what: None):
     """One path's numbers (timed with the garbage collector paused). A failing stage is recorded
-    under "error" and ends the path; what was measured before it stays."""
+    under "error" and ends the path; what was measured before it stays. `stage(what)` after each of
+    its three stages (forward, forward+backward, gradients), whether it ran or was skipped."""
     r = dict(frontend=frontend.name)
     try:
         if fwd not in fwd_cache:
@@ -327,9 +329,11 @@ def measure(frontend, fwd, train, case, fwd_cache):
                 ms, logp = frontend.forward(fwd, case.h, case.w, case.t)
             fwd_cache[fwd] = dict(fwd_ms=ms, logp_rel=rel_err(logp[case.sample], case.logp_ref))
         r.update(fwd_cache[fwd])
+        stage("fwd")
         with no_gc():
             r["fb_ms"], r["fb_mem_mb"], r["fb_reserved_mb"] = frontend.fwd_bwd(train, case.h, case.w, case.t,
                                                                                case.g)
+        stage("fwd+bwd")
         if case.grad_ref is not None:
             dh, dw = frontend.grads(train, *case.grad_inputs)
             r.update(dh_rel=rel_err(dh, case.grad_ref[0]), dw_rel=rel_err(dw, case.grad_ref[1]))
@@ -356,9 +360,11 @@ def bench_shape(name, paths, accuracy, progress, repeat=1):
         gemm_ms = bench_ms(lambda: case.h @ case.w.t())
     results, fwd_cache = {}, {}
     for label, (frontend, fwd, train) in paths.items():
-        results[label] = measure(frontend, fwd, train, case, fwd_cache)
+        start = progress.done  # a path is one unit: a third after its forward, two after its fwd+bwd
+        results[label] = measure(frontend, fwd, train, case, fwd_cache,
+                                 stage=lambda what, label=label: progress.advance(1 / 3, f"{name} {label} {what}"))
         torch.cuda.empty_cache()
-        progress.advance(f"{name} {label}")
+        progress.set(start + 1, f"{name} {label}")
     ours = [k for k in paths if is_ours(k) and "error" not in results[k]]
     for k in ours:
         results[k]["fwd_ms_all"], results[k]["fb_ms_all"] = [results[k]["fwd_ms"]], [results[k]["fb_ms"]]
@@ -369,7 +375,7 @@ def bench_shape(name, paths, accuracy, progress, repeat=1):
             results[k]["fwd_ms_all"].append(fwd_ms)
             results[k]["fb_ms_all"].append(fb_ms)
             torch.cuda.empty_cache()
-            progress.advance(f"{name} {k} again")
+            progress.advance(1, f"{name} {k} again")
     for r in results.values():
         for key in ("fwd", "fb"):
             if key + "_ms_all" in r:
@@ -389,26 +395,6 @@ def bench_shape(name, paths, accuracy, progress, repeat=1):
 
 
 # ---- the run ----
-
-class Progress:
-    """tqdm when installed, else one line per step on stderr."""
-
-    def __init__(self, total):
-        try:
-            from tqdm import tqdm
-            self.bar = tqdm(total=total, file=sys.stderr)
-        except ImportError:
-            self.bar = None
-        self.total, self.done = total, 0
-
-    def advance(self, what):
-        self.done += 1
-        if self.bar is not None:
-            self.bar.set_postfix_str(what)
-            self.bar.update()
-        else:
-            print(f"[{self.done}/{self.total}] {what}", file=sys.stderr, flush=True)
-
 
 def select_paths(names):
     """name -> (frontend, forward fn, fwd+bwd fn) of the wanted paths that are installed, in PATHS order."""

@@ -7,7 +7,7 @@
 #include "gemm.h"
 #include "saved_logits.h"
 
-namespace rlk::cpu {
+namespace rlk::cpu::RLK_CPU_ISA {  // one namespace per ISA level (cpu/dispatch.h)
 namespace {
 
 // Per-row data of one row block, as vectors of rows.
@@ -363,4 +363,4 @@ Status backward(const Problem& p, const BwdArgs& a) {
   return nullptr;
 }
 
-}  // namespace rlk::cpu
+}  // namespace rlk::cpu::RLK_CPU_ISA

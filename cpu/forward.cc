@@ -4,7 +4,7 @@
 #include "gemm.h"
 #include "saved_logits.h"
 
-namespace rlk::cpu {
+namespace rlk::cpu::RLK_CPU_ISA {  // one namespace per ISA level (cpu/dispatch.h)
 namespace {
 
 
@@ -179,4 +179,4 @@ Status combine(const CombineArgs& a) {
   return nullptr;
 }
 
-}  // namespace rlk::cpu
+}  // namespace rlk::cpu::RLK_CPU_ISA

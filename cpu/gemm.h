@@ -38,7 +38,7 @@
 #include "rlk/linear_logp.h"
 #include "simd.h"
 
-namespace rlk::cpu {
+namespace rlk::cpu::RLK_CPU_ISA {  // one namespace per ISA level (cpu/dispatch.h)
 namespace {
 
 
@@ -250,7 +250,7 @@ inline __attribute__((always_inline)) void outer_block(const Outer<E>& o, bool z
       // b in a register: GCC would otherwise fold the load into each of the M FMAs that use it,
       // M loads a vector instead of one, and the loads, not the FMAs, would set the pace.
       fvec x = load_operand(o.b + s * o.bs + v * kLanes);
-#if defined(__x86_64__)
+#if defined(__AVX__)  // a 32-byte vector has a register from AVX on (none in the x86-64 baseline)
       __asm__("" : "+v"(x));
 #endif
       b[v] = x;
@@ -503,4 +503,4 @@ void keep_tile(const Problem& p, const uint8_t* keep, int64_t r0, int64_t v0, in
 }
 
 }  // namespace
-}  // namespace rlk::cpu
+}  // namespace rlk::cpu::RLK_CPU_ISA

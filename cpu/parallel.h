@@ -15,7 +15,7 @@
 #include <thread>
 #include <vector>
 
-namespace rlk::cpu {
+namespace rlk::cpu::RLK_CPU_ISA {  // one namespace per ISA level (cpu/dispatch.h)
 
 inline int num_threads() {
   static const int n = [] {
@@ -58,4 +58,4 @@ void parallel_for(int64_t units, int workers, Fn&& fn) {
 
 inline int workers_for(int64_t units) { return int(std::min<int64_t>(num_threads(), std::max<int64_t>(units, 1))); }
 
-}  // namespace rlk::cpu
+}  // namespace rlk::cpu::RLK_CPU_ISA

@@ -5,7 +5,7 @@
 
 #include "gemm.h"
 
-namespace rlk::cpu {
+namespace rlk::cpu::RLK_CPU_ISA {  // one namespace per ISA level (cpu/dispatch.h)
 namespace {
 
 // fp32 operands: z fp32, as the forward computed it (what lean recomputes, bit for bit), by row
@@ -97,4 +97,4 @@ void load_saved(const Problem& p, const void* saved, int64_t r0, int64_t v0, int
 }
 
 }  // namespace
-}  // namespace rlk::cpu
+}  // namespace rlk::cpu::RLK_CPU_ISA

@@ -13,7 +13,7 @@
 
 #include "rlk/linear_logp.h"
 
-namespace rlk::cpu {
+namespace rlk::cpu::RLK_CPU_ISA {  // one namespace per ISA level (cpu/dispatch.h)
 
 #if defined(__AVX512F__)
 constexpr int kLanes = 16;
@@ -150,4 +150,4 @@ inline void from_f32(DType t, const float* src, int64_t count, void* dst, int64_
   }
 }
 
-}  // namespace rlk::cpu
+}  // namespace rlk::cpu::RLK_CPU_ISA

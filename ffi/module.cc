@@ -5,12 +5,14 @@
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
 
 #include <algorithm>
 #include <cstring>
 #include <optional>
 #include <stdexcept>
 
+#include "dispatch.h"
 #include "lean_plan.h"
 #include "rlk/linear_logp.h"
 
@@ -260,16 +262,10 @@ NB_MODULE(_rlk_core, m) {
   m.attr("MAX_INVARIANT_TP") = rlk::kMaxInvariantTp;
   m.attr("has_xla_ffi") = bool(RLK_HAVE_XLA_FFI);
   m.attr("has_cuda") = bool(RLK_HAVE_CUDA);
-  // The CPU kernels' instruction set as built (-march): their GEMM blocks, and so their bits, follow it.
-#if defined(__AVX512BF16__)
-  m.attr("cpu_isa") = "avx512bf16";
-#elif defined(__AVX512F__)
-  m.attr("cpu_isa") = "avx512";
-#elif defined(__AVX2__)
-  m.attr("cpu_isa") = "avx2";
-#else
-  m.attr("cpu_isa") = "generic";
-#endif
+  // The CPU kernels' ISA level in use and the levels this CPU runs (cpu/dispatch.h). Read here, so
+  // that a bad RLK_CPU_ISA fails the import with its message.
+  m.attr("cpu_isa") = rlk::cpu::isa();
+  m.attr("cpu_isas") = rlk::cpu::isas_here();
 
   // The operand dtypes, named as jax and torch name them; the codes are rlk::DType's.
   nb::enum_<rlk::DType>(m, "DType", "Operand dtype of a problem shape (rlk::DType).")

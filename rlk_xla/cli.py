@@ -1,7 +1,6 @@
 """The main job: `check` (is this build right on this machine?) and `bench` (how fast, how lean)."""
 from __future__ import annotations
 
-import sys
 import time
 
 import jax
@@ -9,22 +8,13 @@ import jax.numpy as jnp
 import numpy as np
 
 import rlk_common as common
+from rlk_common.progress import Progress
 
 from . import linear_logp, reference, reset_route_stats, route_stats
 from ._core import core, registered_platforms
 
 # docs/design.md §6, after the CPU shape of the core issue.
 SHAPES = {"small": (512, 1024, 32000), **common.SHAPES}
-
-
-def progress(i: int, total: int, label: str) -> None:
-    """A one-line progress bar on stderr."""
-    width = 30
-    done = int(width * i / max(total, 1))
-    sys.stderr.write(f"\r[{'#' * done}{'.' * (width - done)}] {i}/{total} {label[:40]:<40}")
-    if i == total:
-        sys.stderr.write("\n")
-    sys.stderr.flush()
 
 
 def device(name: str):
@@ -74,12 +64,13 @@ def check(device_name: str = "default") -> int:
     """Each route against float64 on a few odd shapes, plus determinism and batch invariance."""
     dev = device(device_name)
     print(f"rlk_xla check: jax {jax.__version__}, device {dev.device_kind} ({dev.platform}); compiled: "
-          f"xla_ffi={core.has_xla_ffi} cuda={core.has_cuda}; FFI targets for {', '.join(registered_platforms())}")
+          f"xla_ffi={core.has_xla_ffi} cuda={core.has_cuda} cpu_isa={core.cpu_isa}; FFI targets for {', '.join(registered_platforms())}")
     rows, ok = [], True
     shapes = [(1, 64, 1000), (127, 96, 1000), (1000, 256, 4104)]
     cases = [(s, dt, mode) for s in shapes for dt in ("bfloat16", "float32") for mode in ("strict", "off")]
+    bar = Progress(len(cases))
     for i, ((n, h, v), dt, mode) in enumerate(cases):
-        progress(i, len(cases), f"{mode} {dt} N={n} V={v}")
+        bar.set(i, f"{mode} {dt} N={n} V={v}")
         hh, ww, tt = _inputs(n, h, v, jnp.dtype(dt), seed=i, device=dev)
         f = jax.jit(lambda a, b, c, mode=mode: linear_logp(a, b, c, return_entropy=True, mode=mode))
         reset_route_stats()
@@ -109,7 +100,7 @@ def check(device_name: str = "default") -> int:
         rows.append((route, dt, f"{n}x{h}x{v}", f"{err_lp:.1e}", f"{err_ent:.1e}",
                      " / ".join(f"{e:.1e}" for e in err_g.values()),
                      yes_no(det), yes_no(inv), "PASS" if passed else "FAIL"))
-    progress(len(cases), len(cases), "done")
+    bar.set(len(cases), "done")
     _table(("route", "dtype", "NxHxV", "|dlogp| max", "|dent| max", "grad rel err (fast / lean)", "repeat bitwise",
             "batch invariant", "result"), rows)
     print("check:", "PASS" if ok else "FAIL")
@@ -137,11 +128,11 @@ def time_ms(fn, *args, iters: int = 10, batch: int = 1) -> float:
     return float(np.median([sample_ms(fn, *args, batch=batch) for _ in range(iters)]))
 
 
-def time_pair(fused, ref, args, iters: int, warmup: int = 2, min_sample_s: float = 0.05):
+def time_pair(fused, ref, args, iters: int, warmup: int = 2, min_sample_s: float = 0.05, tick=lambda: None):
     """Samples of two callables taken alternately (fused, reference, fused, ...), so that a change in
     the machine's load (shared CPUs) hits both alike. A sample times enough calls back to back (then
-    one wait) to last about `min_sample_s`, so the wait's latency is a small part of it. -> (fused ms,
-    reference ms, fused / reference per pair), each a list of `iters`."""
+    one wait) to last about `min_sample_s`, so the wait's latency is a small part of it. `tick()` after
+    each pair. -> (fused ms, reference ms, fused / reference per pair), each a list of `iters`."""
     batch = []
     for fn in (fused, ref):
         for _ in range(warmup):
@@ -151,6 +142,7 @@ def time_pair(fused, ref, args, iters: int, warmup: int = 2, min_sample_s: float
     for _ in range(iters):
         f.append(_wall(fused, args, batch[0]) / batch[0] * 1e3)
         r.append(_wall(ref, args, batch[1]) / batch[1] * 1e3)
+        tick()
     return f, r, [a / b for a, b in zip(f, r)]
 
 
@@ -175,24 +167,28 @@ def bench(shapes, device_name: str, dtype: str, iters: int) -> int:
     print(f"rlk_xla bench: jax {jax.__version__}, {dev.device_kind} ({dev.platform}), {dtype}, "
           f"{iters} samples each after 2 warm-up calls")
     parsed = [parse_shape(s) for s in shapes]
-    rows, steps = [], len(parsed) * 3
+    rows = []
+    bar = Progress(len(parsed) * 3)  # per shape: the GEMM, fwd, fwd+bwd; each advanced sample by sample
     for i, (name, (n, h, v)) in enumerate(parsed):
         hh, ww, tt = _inputs(n, h, v, jnp.dtype(dtype), device=dev)
-        progress(3 * i, steps, f"{name}: gemm")
+        bar.set(3 * i, f"{name}: gemm")
         gemm = jax.jit(lambda a, b: jnp.dot(a, b.T, preferred_element_type=jnp.float32))
-        gemm_ms = time_pair(gemm, gemm, (hh, ww), 1 + iters // 2)[0]
+        gemm_iters = 1 + iters // 2
+        gemm_ms = time_pair(gemm, gemm, (hh, ww), gemm_iters,
+                            tick=lambda: bar.advance(1 / gemm_iters, f"{name}: gemm"))[0]
         for j, (label, wrap) in enumerate((("fwd", jax.jit), ("fwd+bwd", None))):
-            progress(3 * i + 1 + j, steps, f"{name}: {label}")
+            bar.set(3 * i + 1 + j, f"{name}: {label}")
             if wrap:
                 fused, ref = (jax.jit(lambda a, b, fn=fn: fn(a, b, tt)) for fn in (linear_logp, reference.linear_logp))
             else:
                 fused, ref = (jax.jit(jax.grad(lambda a, b, fn=fn: jnp.sum(fn(a, b, tt)), argnums=(0, 1)))
                               for fn in (linear_logp, reference.linear_logp))
-            f, r, ratio = time_pair(fused, ref, (hh, ww), iters)
+            f, r, ratio = time_pair(fused, ref, (hh, ww), iters,
+                                    tick=lambda label=label: bar.advance(1 / iters, f"{name}: {label}"))
             mem = (f"{_temp_mb(fused, hh, ww):.1f}", f"{_temp_mb(ref, hh, ww):.1f}")
             rows.append((name, f"{n}x{h}x{v}", label, _spread(gemm_ms) if j == 0 else "", _spread(f), _spread(r),
                          f"{np.median(ratio):.2f} ({min(ratio):.2f}-{max(ratio):.2f})", *mem))
-    progress(steps, steps, "done")
+    bar.set(3 * len(parsed), "done")
     _table(("shape", "NxHxV", "pass", "GEMM ms", "fused ms", "reference ms", "fused/ref (lower is better)",
             "fused temp MB", "ref temp MB"), rows)
     print(RATIO_NOTE)

@@ -3,6 +3,7 @@
 # FFI headers) has rlk_xla's CPU kernels and runs them under the oldest and the newest jax we test:
 # build one wheel, install it into a fresh venv per jax version, run a strict-mode smoke test.
 # Usage: bash scripts/check_install.sh [JAX_REQUIREMENT ...]   (default: jax==0.6.0 and the newest jax)
+# RLK_WHEEL=dist/rlk_xla-...whl checks that wheel (scripts/build_wheel.sh) instead of building one.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -12,8 +13,12 @@ trap 'rm -rf "$work"' EXIT
 
 # CPU kernels only (the CUDA backend would add many minutes of nvcc and cannot run here); a build
 # directory of its own, so that the tree's own build (scripts/setup.sh) is left as it is.
-RLK_CUDA=OFF "$PY" -m pip wheel -q --no-deps -w "$work/wheel" --config-settings=build-dir="$work/build" .
-wheel=$(echo "$work"/wheel/rlk_xla-*.whl)
+if [ -n "${RLK_WHEEL:-}" ]; then
+  wheel=$(realpath "$RLK_WHEEL")
+else
+  RLK_CUDA=OFF "$PY" -m pip wheel -q --no-deps -w "$work/wheel" --config-settings=build-dir="$work/build" .
+  wheel=$(echo "$work"/wheel/rlk_xla-*.whl)
+fi
 
 for jax in "$@"; do
   "$PY" -m venv "$work/venv"

@@ -44,7 +44,23 @@ else
 fi
 python -c "import jax; print('setup: jax', jax.__version__, 'on', jax.default_backend())"
 python -c "import torch; print('setup: torch', torch.__version__)" 2>/dev/null || true
-# --no-build-isolation: build against the jaxlib installed here (its FFI headers), incrementally
-# in build/; pip install . would build against the oldest jaxlib supported (pyproject.toml).
-pip install -q --no-build-isolation . 2>&1 | tail -n 20
+# --no-build-isolation: build against the jaxlib installed here (its FFI headers), incrementally in
+# a build folder of this environment's own (Python, venv, CUDA on or off), so that another
+# environment's build (pip install . elsewhere, RLK_CUDA=OFF) does not make this one start over.
+# cmake's progress ([step/steps] per file) is shown; the whole log is kept next to the build folder.
+env_id=$(python -c 'import hashlib, sys, sysconfig; print(sysconfig.get_config_var("SOABI").split("-")[1], hashlib.sha1(sys.prefix.encode()).hexdigest()[:8], sep="-")')
+build_dir="build/setup-$env_id-cuda-${RLK_CUDA:-ON}"
+mkdir -p build
+echo "setup: building _rlk_core in $build_dir (log: $build_dir.log)"
+if ! pip install -v --no-build-isolation --config-settings=build-dir="$build_dir" . >"$build_dir.log" 2>&1 \
+    < /dev/null; then
+  tail -n 60 "$build_dir.log" >&2
+  echo "setup: the build failed; the whole log: $build_dir.log" >&2
+  exit 1
+fi &
+build_pid=$!
+# Follow the log while pip runs: cmake's messages (rlk: ...), ninja's [step/steps], warnings.
+tail -n +1 -F "$build_dir.log" 2>/dev/null --pid=$build_pid \
+  | grep --line-buffered -E '^ *(\[[0-9]+/[0-9]+\] |-- rlk:|rlk:|CMake (Warning|Error))' | sed -u 's/^ */  /' || true
+wait $build_pid
 python -c "import _rlk_core as c; print('setup: _rlk_core built; xla_ffi =', c.has_xla_ffi, '; cuda =', c.has_cuda)"

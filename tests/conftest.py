@@ -1,5 +1,17 @@
+import importlib.util
 import os
+import pathlib
 import tempfile
+
+# scripts/test.sh --wheel: the suite tests the installed wheel, never this source tree.
+if os.environ.get("RLK_TEST_INSTALLED") == "1":
+    _root = pathlib.Path(__file__).resolve().parent.parent
+    for _name in ("rlk_xla", "torch_bridge", "rlk_common", "_rlk_core"):
+        _spec = importlib.util.find_spec(_name)
+        _origin = _spec and pathlib.Path(_spec.origin).resolve()
+        _home = _origin and (_origin.parent.parent if _origin.name == "__init__.py" else _origin.parent)
+        assert _home is not None and _home != _root, (
+            f"RLK_TEST_INSTALLED=1 but {_name} is imported from the source tree ({_origin})")
 
 # Eight CPU devices for the shard_map tests; must happen before jax creates its backends.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")

@@ -101,3 +101,17 @@ def test_readme_links_point_inside_the_repository():
     local = [t.split("#")[0] for t in links if not re.match(r"[a-z]+:|#", t)]
     bad = [t for t in local if not (ROOT / t).resolve().is_relative_to(ROOT) or not (ROOT / t).exists()]
     assert local and not bad, f"README links to paths outside the repository or missing: {bad}"
+
+
+def test_the_front_page_speaks_plainly():
+    """The project's internal words (its machines, its shape nicknames) live in docs/benchmarks.md."""
+    text = README.read_text()
+    internal = ("device machine", "development machine", "H200-pub", "device_run.sh")
+    assert not [w for w in internal if w in text], [w for w in internal if w in text]
+
+
+def test_the_install_section_names_the_extras_and_the_matrix():
+    text = README.read_text()
+    section = text[text.index("### Install from a wheel"):text.index("### Into your own environment")]
+    for word in ("[jax,torch]", "`[jax]`", "`[torch]`", "manylinux_2_34", "sm_80", "sm_90a", "cp312-abi3", "Size:"):
+        assert word in section, word

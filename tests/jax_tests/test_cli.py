@@ -1,19 +1,21 @@
 """The main job's two commands (`python -m rlk_xla check`, `bench`) run and report."""
-import os
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
 pytest.importorskip("jax", reason="jax is not installed: the CLI needs it")
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from subprocs import cpu_env  # noqa: E402
 
 
 def run(*args):
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    return subprocess.run([sys.executable, "-m", "rlk_xla", *args], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=600)
+    """`python -m rlk_xla ...` on the CPU, importing the packages this process imports (the source
+    tree, or an installed wheel: scripts/test.sh --wheel), from an empty working directory."""
+    with tempfile.TemporaryDirectory() as cwd:
+        return subprocess.run([sys.executable, "-m", "rlk_xla", *args], cwd=cwd, env=cpu_env(), capture_output=True,
+                              text=True, timeout=600)
 
 
 def test_check_passes_on_this_machine():
@@ -31,6 +33,7 @@ def test_bench_prints_a_labelled_table():
     rows = [line for line in r.stdout.splitlines() if line.startswith("| 64,32,500")]
     assert [row.split("|")[3].strip() for row in rows] == ["fwd", "fwd+bwd"]
     assert all("-" in cell and "%" in cell for row in rows for cell in row.split("|")[5:7])  # min-max, spread
+    assert "100%" in r.stderr and "\r" not in r.stderr  # the progress bar, plain lines in a log
 
 
 def usage_error(capsys, *argv):

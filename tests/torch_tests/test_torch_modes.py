@@ -76,7 +76,10 @@ def test_unsupported_device_and_build_reasons(monkeypatch):
     from torch_bridge._args import unsupported
     assert unsupported(torch.empty(1, device="meta")) == "device meta (supported: cpu, cuda)"
     assert unsupported(torch.empty(1)) is None
-    monkeypatch.setattr(_rlk_core, "has_cuda", False)
+    import torch_bridge._args as args  # a build without the CUDA backend, whatever this one has
+    cuda = dict(args.PLATFORMS["cuda"], supported=False,
+                reason="this build of _rlk_core has no CUDA backend (built without nvcc, or with RLK_CUDA=OFF)")
+    monkeypatch.setattr(args, "PLATFORMS", dict(args.PLATFORMS, cuda=cuda))
 
     class FakeCuda:
         dtype = torch.float32
