@@ -150,8 +150,10 @@ def parse(hidden, weight, targets, *, bias, temperature, ignore_index, vocab_sta
     capture, which a host sync would break): a rank whose arguments are refused here
     makes every rank refuse, before any collective."""
     group = _dist.check_group(tp_group)
-    capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()  # no host sync there
-    agree = group is not None and not torch.compiler.is_compiling() and not capturing
+    # No host sync under torch.compile or CUDA-graph capture (asked in that order: dynamo cannot trace
+    # is_current_stream_capturing, so a compiled call never reaches it).
+    agree = (group is not None and not torch.compiler.is_compiling()
+             and not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()))
     try:
         a = _parse(hidden, weight, targets, bias=bias, temperature=temperature, ignore_index=ignore_index,
                    vocab_start=vocab_start, real_vocab_size=real_vocab_size, tp_group=group, keep_mask=keep_mask)

@@ -87,6 +87,7 @@ def test_fast_dtemp_finite_where_lean_is_at_huge_logit_spread(dtype, shape):
             (gl * logp.sum() + ge * ent.sum()).backward()
             out[strategy] = temp.grad.cpu()
         fast, lean = out["fast"], out["lean"]
-        assert lean[::2].isfinite().all() and (gl == 0 or not lean[1::2].isfinite().any()), lean
+        if device == "cpu":  # the targets' argmax is the CPU kernel's (on CUDA lean's pattern is its own)
+            assert lean[::2].isfinite().all() and (gl == 0 or not lean[1::2].isfinite().any()), lean
         assert torch.equal(fast.isfinite(), lean.isfinite()), (ge, gl, fast, lean)
         torch.testing.assert_close(fast[lean.isfinite()], lean[lean.isfinite()], rtol=1e-4, atol=0)
