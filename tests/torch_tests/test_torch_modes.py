@@ -80,6 +80,7 @@ def test_unsupported_device_and_build_reasons(monkeypatch):
     cuda = dict(args.PLATFORMS["cuda"], supported=False,
                 reason="this build of _rlk_core has no CUDA backend (built without nvcc, or with RLK_CUDA=OFF)")
     monkeypatch.setattr(args, "PLATFORMS", dict(args.PLATFORMS, cuda=cuda))
+    monkeypatch.setattr(args, "_KERNEL_DEVICES", args._KERNEL_DEVICES - {"cuda"})  # derived at import
 
     class FakeCuda:
         dtype = torch.float32

@@ -80,10 +80,11 @@ def main():
     try:
         res = scenarios(rank, world, dist.group.WORLD)
         res["properties"] = properties(rank, world, dist.group.WORLD)
+        with open(out, "w") as f:
+            json.dump(res, f)
+        dist.barrier()  # no rank tears its sockets down while a peer still reads from them
     finally:
         dist.destroy_process_group()
-    with open(out, "w") as f:
-        json.dump(res, f)
 
 
 if __name__ == "__main__":
