@@ -47,7 +47,10 @@ def _reduce_scatter_rows(x, group, split_sizes=None, use_global_buffer=False):
 
 
 def cpu_patches():
-    """megatron-core's CUDA-only pieces, replaced for a CPU (gloo) run."""
+    """megatron-core's CUDA-only pieces, replaced for a CPU (gloo) run: its attention scratch buffer
+    and causal mask default to CUDA, the model-parallel RNG tracker forks CUDA RNG state, and its
+    sequence-parallel gather / reduce-scatter allocate on CUDA (gloo has no reduce-scatter: the same
+    collective from all_gather and all_reduce)."""
     import megatron.core.utils as mu
     from megatron.core import tensor_parallel
     from megatron.core.tensor_parallel import mappings

@@ -8,8 +8,8 @@ import pytest
 pytest.importorskip("torch", reason="torch is not installed: these tests need it")
 pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install megatron-core)")
 
-import contextlib
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -23,31 +23,11 @@ CASES = {"tp1_tied": (1, True, 120), "tp1_untied": (1, False, 128), "tp2_tied": 
 S, B, V = 8, 2, 128
 
 
-def _gather_rows(x, group, split_sizes=None, use_global_buffer=False):
-    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, x.contiguous(), group=group)
-    return torch.cat(parts)
-
-
-def _reduce_scatter_rows(x, group, split_sizes=None, use_global_buffer=False):
-    x = x.contiguous().clone()
-    dist.all_reduce(x, group=group)
-    return x.chunk(dist.get_world_size(group))[dist.get_rank(group)].contiguous()
-
-
-def _cpu_megatron():
-    """megatron-core's CPU blockers, for these tests only: its attention scratch buffer and
-    causal mask default to CUDA, the model-parallel RNG tracker forks CUDA RNG state, and its
-    sequence-parallel gather / reduce-scatter allocate on CUDA (gloo has no reduce-scatter: the
-    same collective from all_gather and all_reduce)."""
-    import megatron.core.utils as mu
-    from megatron.core import tensor_parallel
-    from megatron.core.tensor_parallel import mappings
-    mu.GlobalMemoryBuffer.get_tensor = lambda self, shape, dtype, name, mem_alloc_context=None: torch.empty(
-        shape, dtype=dtype)
-    tensor_parallel.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()
-    mappings._gather_along_first_dim = _gather_rows
-    mappings._reduce_scatter_along_first_dim = _reduce_scatter_rows
+# megatron-core's CUDA-only pieces (its attention scratch buffer, the model-parallel RNG tracker's
+# CUDA fork, the sequence-parallel gather / reduce-scatter), replaced for gloo on the CPU: the
+# runnable recipe's own patches (examples/megatron_cpu.py), so the tests run what users run.
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "examples"))
+from megatron_cpu import cpu_patches as _cpu_megatron  # noqa: E402
 
 
 def _model(tp, tied):
