@@ -161,23 +161,29 @@ def _rule(opts, backward):
     return f"{', '.join(operands + ['n', 'n'])} -> {', '.join(results)}"
 
 
+def _partitioned(opts, backward, reference, local):
+    """custom_partitioning of `reference` (the single-device program) whose per-device program is
+    local(vocab axis, row axes), with the operands' and results' shardings of _shardings."""
+    def partition(mesh, arg_shapes, result_shape):
+        rows, row_axes, vocab = _layout(arg_shapes)
+        args, results = _shardings(opts, mesh, rows, vocab, backward=backward)
+        return mesh, local(vocab, row_axes), results, tuple(args)
+
+    def infer(mesh, arg_shapes, result_shape):
+        rows, _, vocab = _layout(arg_shapes)
+        return _shardings(opts, mesh, rows, vocab, backward=backward)[1]
+
+    f = custom_partitioning(reference)
+    f.def_partition(partition=partition, infer_sharding_from_operands=infer, sharding_rule=_rule(opts, backward))
+    return f
+
+
 @functools.cache
 def _forward(opts):
     def reference(hidden, weight, targets, *extras):  # the single-device program (shapes, and no mesh)
         return _local_call(opts, None)(hidden, weight, targets, *extras)
 
-    def partition(mesh, arg_shapes, result_shape):
-        rows, _, vocab = _layout(arg_shapes)
-        args, results = _shardings(opts, mesh, rows, vocab, backward=False)
-        return mesh, _local_call(opts, vocab), results, tuple(args)
-
-    def infer(mesh, arg_shapes, result_shape):
-        rows, _, vocab = _layout(arg_shapes)
-        return _shardings(opts, mesh, rows, vocab, backward=False)[1]
-
-    f = custom_partitioning(reference)
-    f.def_partition(partition=partition, infer_sharding_from_operands=infer, sharding_rule=_rule(opts, False))
-    return f
+    return _partitioned(opts, False, reference, lambda vocab, row_axes: _local_call(opts, vocab))
 
 
 def _rows_f32_bias(opts, vocab):
@@ -222,15 +228,4 @@ def _backward(opts):
     def reference(hidden, weight, targets, *rest):
         return grads(None, ())(hidden, weight, targets, *rest)
 
-    def partition(mesh, arg_shapes, result_shape):
-        rows, row_axes, vocab = _layout(arg_shapes)
-        args, results = _shardings(opts, mesh, rows, vocab, backward=True)
-        return mesh, grads(vocab, row_axes), results, tuple(args)
-
-    def infer(mesh, arg_shapes, result_shape):
-        rows, _, vocab = _layout(arg_shapes)
-        return _shardings(opts, mesh, rows, vocab, backward=True)[1]
-
-    f = custom_partitioning(reference)
-    f.def_partition(partition=partition, infer_sharding_from_operands=infer, sharding_rule=_rule(opts, True))
-    return f
+    return _partitioned(opts, True, reference, grads)
