@@ -2,6 +2,7 @@
 torch programs that span several processes (each with its own environment, one coordinator port)."""
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import pathlib
@@ -16,6 +17,28 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def gloo_worker(rank: int, world: int, port, backend: str = "gloo"):
+    """The process group of one rank of a multi-process test, for a worker whose results are written
+    inside the block. On success the ranks meet, the group is torn down and the process leaves at
+    once (os._exit(0)), skipping Python's finalization: torch's gloo run-loop threads can drop the
+    last reference to a finished collective's tensors while the interpreter finalizes, and their
+    GIL acquire then unwinds through a noexcept destructor: std::terminate, SIGABRT after the
+    results were written (torch 2.13; about 1 run in 15 on 2 cores). An exception tears the group
+    down and propagates."""
+    import torch.distributed as dist
+
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        yield dist.group.WORLD
+        dist.barrier()  # no rank closes its sockets while a peer still reads from them
+    finally:
+        dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def cpu_env(**extra) -> dict:

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from subprocs import free_port
+from subprocs import free_port, gloo_worker
 
 # name: (tp, tied, real vocab of the padded 128). Sequence parallelism: _sequence_parallel at TP = 2.
 CASES = {"tp1_tied": (1, True, 120), "tp1_untied": (1, False, 128), "tp2_tied": (2, True, 120),
@@ -111,9 +111,7 @@ def _worker(rank, world, port, out_dir, names, device="cpu"):
     torch.set_num_threads(1)
     if device == "cuda":
         torch.cuda.set_device(rank)
-    dist.init_process_group("gloo" if device == "cpu" else "nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world)
-    try:
+    with gloo_worker(rank, world, port, backend="gloo" if device == "cpu" else "nccl"):
         from megatron.core import parallel_state
         if device == "cpu":
             _cpu_megatron()
@@ -123,8 +121,6 @@ def _worker(rank, world, port, out_dir, names, device="cpu"):
             model_parallel_cuda_manual_seed(0)
         res = {name: _case(name, rank, device) for name in names}
         torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from rollout_helpers import REAL, V, capture_size, same_bits, trainer_inputs
-from subprocs import free_port
+from subprocs import free_port, gloo_worker
 
 import torch_bridge
 from torch_bridge.integrations import rollout
@@ -115,8 +115,7 @@ def test_int64_ids_follow_linear_logps_rule(with_out):
 def _tp_worker(rank, world, port, out_dir):
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    try:
+    with gloo_worker(rank, world, port):
         d, kw = trainer_inputs("bf16_temp_array_bias_entropy", 64)
         keep = nucleus(d, kw)
         v_local = V // world
@@ -128,8 +127,6 @@ def _tp_worker(rank, world, port, out_dir):
                                           tp_group=dist.group.WORLD, real_vocab_size=REAL, return_entropy=True,
                                           keep_mask=k, out=bufs)
         torch.save({"logp": logp.clone(), "ent": ent.clone()}, os.path.join(out_dir, f"{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
 
 
 def test_tp2_nucleus_rows_equal_tp1_trainer(tmp_path):

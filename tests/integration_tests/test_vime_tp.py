@@ -16,10 +16,9 @@ pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip
 import os
 
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from subprocs import free_port
+from subprocs import free_port, gloo_worker
 
 T, H, V, TP = 12, 32, 128, 2
 SP_SIGNALS = ("metadata", "context", "detected", "contradicted")
@@ -88,8 +87,7 @@ def _nucleus(rank, group, route):
 
 def _worker(rank, world, port, out_dir):
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    try:
+    with gloo_worker(rank, world, port):
         from megatron.core import parallel_state
         from test_megatron import _cpu_megatron
         _cpu_megatron()
@@ -98,8 +96,6 @@ def _worker(rank, world, port, out_dir):
         out = {s: _sequence_parallel(rank, group, s) for s in SP_SIGNALS}
         out.update({f"nucleus_{r}": _nucleus(rank, group, r) for r in ("recompute", "reuse")})
         torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")

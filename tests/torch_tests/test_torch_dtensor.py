@@ -14,7 +14,7 @@ import re
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from subprocs import free_port
+from subprocs import free_port, gloo_worker
 
 import torch_bridge
 
@@ -46,10 +46,9 @@ def _local(x):
 def _worker(rank, world, port, out_dir):
     os.environ["RLK_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
-    try:
+    with gloo_worker(rank, world, port):
         hidden, weight, bias, targets, g, e = _inputs()
         v_local = V // world
         sl = slice(rank * v_local, (rank + 1) * v_local)
@@ -86,8 +85,6 @@ def _worker(rank, world, port, out_dir):
                 errors[name] = str(exc)
         res["errors"] = errors
         torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")

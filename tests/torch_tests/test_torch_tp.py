@@ -16,7 +16,7 @@ import torch.multiprocessing as mp
 
 import _rlk_core
 import oracle
-from subprocs import free_port
+from subprocs import free_port, gloo_worker
 import rollout_helpers as R
 import torch_bridge
 from torch_bridge import vime
@@ -131,8 +131,7 @@ def vime_logits_run(name, group=None, rank=0, world=1):
 def _worker(rank, world, port, out_dir):
     os.environ["RLK_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    try:
+    with gloo_worker(rank, world, port):
         group = dist.group.WORLD
         res = {}
         for name in CASES:
@@ -155,8 +154,6 @@ def _worker(rank, world, port, out_dir):
                 res[f"rollout/{name}/{live}"] = R.score(name, d, kw, live, seed=i, tp_group=group, rank=rank,
                                                         world=world)
         torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")

@@ -6,9 +6,9 @@ import os
 import sys
 
 import torch
-import torch.distributed as dist
 
 import torch_bridge
+from subprocs import gloo_worker
 
 V_GLOBAL = 1024
 
@@ -76,15 +76,11 @@ def main():
     rank, world, port, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
     os.environ["RLK_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    try:
-        res = scenarios(rank, world, dist.group.WORLD)
-        res["properties"] = properties(rank, world, dist.group.WORLD)
+    with gloo_worker(rank, world, port) as group:
+        res = scenarios(rank, world, group)
+        res["properties"] = properties(rank, world, group)
         with open(out, "w") as f:
             json.dump(res, f)
-        dist.barrier()  # no rank tears its sockets down while a peer still reads from them
-    finally:
-        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
