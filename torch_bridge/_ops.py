@@ -38,6 +38,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
+import types
 
 from typing import Optional, Tuple
 
@@ -58,25 +60,34 @@ _IMPLS = {}
 
 
 def _op(name: str, mutates_args=()):
-    """torch.library.custom_op("rlk::" + name) over fn, keeping fn for run()."""
+    """torch.library.custom_op("rlk::" + name) over fn (its typed signature is the op's schema),
+    keeping fn for run()."""
     def wrap(fn):
         _IMPLS[name] = fn
         return torch.library.custom_op("rlk::" + name, mutates_args=mutates_args)(fn)
     return wrap
 
 
-def run(name: str, *args):
-    """rlk::<name> under torch.compile (the op is what Dynamo, AOTAutograd and Inductor see) and
-    wherever the dispatcher has more to do than run it: a dispatch mode is active (FakeTensorMode
-    takes the op's registered fake, a FlopCounterMode or a debug mode sees the op) or a tensor
-    subclass is among the arguments. Otherwise, in plain eager mode, its implementation called
-    directly: the same code and bits without the dispatcher's layers around a custom op (autograd,
-    ADInplaceOrView, which for the backward's declared mutation rebuilds the schema's argument list
-    on every call), which cost the host more than a T1 step's forward takes on the GPU
+def _args_of(name: str, args: tuple, kwargs: dict) -> types.SimpleNamespace:
+    """A registered fake's arguments by name: bound to the op's own signature, defaults applied (the
+    schema is written once, on the implementation)."""
+    bound = inspect.signature(_IMPLS[name]).bind(*args, **kwargs)
+    bound.apply_defaults()
+    return types.SimpleNamespace(**bound.arguments)
+
+
+def run(name: str, **kwargs):
+    """rlk::<name>, its arguments by name, under torch.compile (the op is what Dynamo, AOTAutograd and
+    Inductor see) and wherever the dispatcher has more to do than run it: a dispatch mode is active
+    (FakeTensorMode takes the op's registered fake, a FlopCounterMode or a debug mode sees the op) or
+    a tensor subclass is among the arguments. Otherwise, in plain eager mode, its implementation
+    called directly: the same code and bits without the dispatcher's layers around a custom op
+    (autograd, ADInplaceOrView, which for the backward's declared mutation rebuilds the schema's
+    argument list on every call), which cost the host more than a T1 step's forward takes on the GPU
     (docs/benchmarks.md §5)."""
-    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() or not all(map(_plain, args)):
-        return getattr(torch.ops.rlk, name)(*args)
-    return _IMPLS[name](*args)
+    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() or not all(map(_plain, kwargs.values())):
+        return getattr(torch.ops.rlk, name)(**kwargs)
+    return _IMPLS[name](**kwargs)
 
 
 def _plain(a) -> bool:
@@ -228,11 +239,11 @@ def forward_stats(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], target
 
 
 @forward_stats.register_fake
-def _(hidden, weight, bias, targets, temperature, vocab_start, real_vocab, chunk, ignore_index, with_entropy,
-      save_logits, keep=None):
-    n, v = hidden.shape[0], weight.shape[0]
-    return (hidden.new_empty((n, v // chunk, W), dtype=F32), hidden.new_empty((n,), dtype=F32),
-            _saved_like(hidden, v, chunk, save_logits), _keep_sum_like(hidden, v, chunk, keep))
+def _(*args, **kwargs):
+    a = _args_of("forward_stats", args, kwargs)
+    n, v = a.hidden.shape[0], a.weight.shape[0]
+    return (a.hidden.new_empty((n, v // a.chunk, W), dtype=F32), a.hidden.new_empty((n,), dtype=F32),
+            _saved_like(a.hidden, v, a.chunk, a.save_logits), _keep_sum_like(a.hidden, v, a.chunk, a.keep))
 
 
 # ---- rlk::combine ---------------------------------------------------------------------------------
@@ -241,7 +252,12 @@ def _log_s_keep_like(t: Tensor, keep_given: bool) -> Tensor:
     return t.new_empty((t.shape[0] if keep_given else 0,), dtype=F32)
 
 
-def _combine(stats, target_logit, targets, real_vocab, ignore_index, keep_sum):
+@_op("combine")
+def combine(stats: Tensor, target_logit: Tensor, targets: Tensor, real_vocab: int, ignore_index: int,
+            keep_sum: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(logp, entropy, m, log_s, log_s_keep) [n] f32: m the row max, log_s = log sum exp(z - m)
+    (lse = m + log_s), what the backward takes; with keep_sum [n, chunks] (every chunk's kept sums)
+    logp is over the nucleus and log_s_keep = log sum_kept exp(z - m), else log_s_keep is [0]."""
     n = stats.shape[0]
     out = tuple(torch.empty((n,), dtype=F32, device=stats.device) for _ in range(4))
     log_s_keep = _log_s_keep_like(stats, keep_sum is not None)
@@ -251,25 +267,28 @@ def _combine(stats, target_logit, targets, real_vocab, ignore_index, keep_sum):
     return (*out, log_s_keep)
 
 
-@_op("combine")
-def combine(stats: Tensor, target_logit: Tensor, targets: Tensor, real_vocab: int, ignore_index: int,
-            keep_sum: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """(logp, entropy, m, log_s, log_s_keep) [n] f32: m the row max, log_s = log sum exp(z - m)
-    (lse = m + log_s), what the backward takes; with keep_sum [n, chunks] (every chunk's kept sums)
-    logp is over the nucleus and log_s_keep = log sum_kept exp(z - m), else log_s_keep is [0]."""
-    return _combine(stats, target_logit, targets, real_vocab, ignore_index, keep_sum)
-
-
 @combine.register_fake
-def _(stats, target_logit, targets, real_vocab, ignore_index, keep_sum=None):
-    n = stats.shape[0]
-    return (*(stats.new_empty((n,), dtype=F32) for _ in range(4)), _log_s_keep_like(stats, keep_sum is not None))
+def _(*args, **kwargs):
+    a = _args_of("combine", args, kwargs)
+    n = a.stats.shape[0]
+    return (*(a.stats.new_empty((n,), dtype=F32) for _ in range(4)), _log_s_keep_like(a.stats, a.keep_sum is not None))
 
 
 # ---- rlk::linear_logp_backward --------------------------------------------------------------------
 
-def _backward(hidden, weight, bias, targets, temperature, m, log_s, entropy, g, e, saved_logits, vocab_start, real_vocab,
-              chunk, ignore_index, dhidden_f32, keep, log_s_keep):
+@_op("linear_logp_backward", mutates_args=("saved_logits",))
+def linear_logp_backward(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], targets: Tensor,
+                         temperature: Tensor, m: Tensor, log_s: Tensor, entropy: Optional[Tensor], g: Tensor,
+                         e: Optional[Tensor], saved_logits: Tensor, vocab_start: int, real_vocab: int, chunk: int,
+                         ignore_index: int, dhidden_f32: bool, keep: Optional[Tensor] = None,
+                         log_s_keep: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(dhidden [n, h] partial over this shard's vocab, dweight [v, h] in weight's dtype,
+    dbias [v] f32 ([0] without bias), dtemperature [n] f32 partial).
+    dhidden is f32 with dhidden_f32 (a vocab shard's part, to be summed over shards), else in
+    hidden's dtype, rounded once from the f32 sum (no f32 [n, h] buffer).
+    m, log_s: the combine's (the row max and log sum exp(z - m)).
+    saved_logits: the forward's (fast; overwritten on CUDA) or an empty [0] tensor (lean).
+    keep (the forward's nucleus) with log_s_keep (the combine's): the gradient of the nucleus's logp."""
     n, h, v = hidden.shape[0], hidden.shape[1], weight.shape[0]
     saved = _saved(saved_logits, hidden, v, chunk)
     dev = hidden.device
@@ -295,29 +314,12 @@ def _backward(hidden, weight, bias, targets, temperature, m, log_s, entropy, g, 
     return dh, dw, db, dtemp
 
 
-@_op("linear_logp_backward", mutates_args=("saved_logits",))
-def linear_logp_backward(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], targets: Tensor,
-                         temperature: Tensor, m: Tensor, log_s: Tensor, entropy: Optional[Tensor], g: Tensor,
-                         e: Optional[Tensor], saved_logits: Tensor, vocab_start: int, real_vocab: int, chunk: int,
-                         ignore_index: int, dhidden_f32: bool, keep: Optional[Tensor] = None,
-                         log_s_keep: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(dhidden [n, h] partial over this shard's vocab, dweight [v, h] in weight's dtype,
-    dbias [v] f32 ([0] without bias), dtemperature [n] f32 partial).
-    dhidden is f32 with dhidden_f32 (a vocab shard's part, to be summed over shards), else in
-    hidden's dtype, rounded once from the f32 sum (no f32 [n, h] buffer).
-    m, log_s: the combine's (the row max and log sum exp(z - m)).
-    saved_logits: the forward's (fast; overwritten on CUDA) or an empty [0] tensor (lean).
-    keep (the forward's nucleus) with log_s_keep (the combine's): the gradient of the nucleus's logp."""
-    return _backward(hidden, weight, bias, targets, temperature, m, log_s, entropy, g, e, saved_logits, vocab_start,
-                     real_vocab, chunk, ignore_index, dhidden_f32, keep, log_s_keep)
-
-
 @linear_logp_backward.register_fake
-def _(hidden, weight, bias, targets, temperature, m, log_s, entropy, g, e, saved_logits, vocab_start, real_vocab, chunk,
-      ignore_index, dhidden_f32, keep=None, log_s_keep=None):
-    n, h, v = hidden.shape[0], hidden.shape[1], weight.shape[0]
-    return (hidden.new_empty((n, h), dtype=F32 if dhidden_f32 else hidden.dtype), weight.new_empty((v, h)),
-            hidden.new_empty((v if bias is not None else 0,), dtype=F32), hidden.new_empty((n,), dtype=F32))
+def _(*args, **kwargs):
+    a = _args_of("linear_logp_backward", args, kwargs)
+    n, h, v = a.hidden.shape[0], a.hidden.shape[1], a.weight.shape[0]
+    return (a.hidden.new_empty((n, h), dtype=F32 if a.dhidden_f32 else a.hidden.dtype), a.weight.new_empty((v, h)),
+            a.hidden.new_empty((v if a.bias is not None else 0,), dtype=F32), a.hidden.new_empty((n,), dtype=F32))
 
 
 # ---- rlk::linear_logp (one shard: the whole vocab) and its autograd ------------------------------
@@ -342,11 +344,11 @@ def linear_logp(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], targets:
 
 
 @linear_logp.register_fake
-def _(hidden, weight, bias, targets, temperature, real_vocab, chunk, ignore_index, with_entropy, save_logits,
-      keep=None):
-    n = hidden.shape[0]
-    return (*(hidden.new_empty((n,), dtype=F32) for _ in range(4)),
-            _saved_like(hidden, weight.shape[0], chunk, save_logits), _log_s_keep_like(hidden, keep is not None))
+def _(*args, **kwargs):
+    a = _args_of("linear_logp", args, kwargs)
+    n = a.hidden.shape[0]
+    return (*(a.hidden.new_empty((n,), dtype=F32) for _ in range(4)),
+            _saved_like(a.hidden, a.weight.shape[0], a.chunk, a.save_logits), _log_s_keep_like(a.hidden, a.keep is not None))
 
 
 class SavedLogits:
@@ -394,8 +396,9 @@ class LinearLogp(torch.autograd.Function):
     def forward(ctx, hidden, weight, bias32, temperature, targets, real_vocab: int, chunk: int, ignore_index: int,
                 with_entropy: bool, save_logits: bool, keep: Optional[Tensor] = None):
         logp, ent, m, log_s, saved_logits, log_s_keep = run(
-            "linear_logp", hidden, weight, bias32, targets, temperature, real_vocab, chunk, ignore_index, with_entropy, save_logits,
-            keep)
+            "linear_logp", hidden=hidden, weight=weight, bias=bias32, targets=targets, temperature=temperature,
+            real_vocab=real_vocab, chunk=chunk, ignore_index=ignore_index, with_entropy=with_entropy,
+            save_logits=save_logits, keep=keep)
         ctx.save_for_backward(hidden, weight, bias32, temperature, targets, m, log_s, ent, saved_logits, keep, log_s_keep)
         ctx.cfg = (real_vocab, chunk, ignore_index, with_entropy)
         SavedLogits.setup(ctx, save_logits)
@@ -403,15 +406,25 @@ class LinearLogp(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g, e):
-        SavedLogits.claim(ctx)
-        hidden, weight, bias32, temperature, targets, m, log_s, ent, saved_logits, keep, log_s_keep = ctx.saved_tensors
         real_vocab, chunk, ignore_index, with_entropy = ctx.cfg
-        g = torch.zeros_like(m) if g is None else g.contiguous()
-        if with_entropy:
-            e = torch.zeros_like(m) if e is None else e.contiguous()
-        dh, dw, db, dtemp = run(
-            "linear_logp_backward", hidden, weight, bias32, targets, temperature, m, log_s, ent if with_entropy else None, g,
-            e if with_entropy else None, SavedLogits.for_backward(ctx, saved_logits), 0, real_vocab, chunk, ignore_index, False,
-            keep, log_s_keep if keep is not None else None)
-        return (dh, dw, (db if bias32 is not None else None), dtemp, None, None, None, None, None,
-                None, None)
+        saved = ctx.saved_tensors
+        dh, dw, db, dtemp = backward_of_saved(ctx, saved, g, e, vocab_start=0, real_vocab=real_vocab, chunk=chunk,
+                                              ignore_index=ignore_index, with_entropy=with_entropy, dhidden_f32=False)
+        return dh, dw, (db if saved[2] is not None else None), dtemp, None, None, None, None, None, None, None
+
+
+def backward_of_saved(ctx, saved, g, e, *, vocab_start: int, real_vocab: int, chunk: int, ignore_index: int,
+                      with_entropy: bool, dhidden_f32: bool):
+    """rlk::linear_logp_backward of what LinearLogp and the vocab-parallel Function save (`saved`:
+    their ctx.saved_tensors, hidden, weight, bias32, temperature, targets, m, log_s, ent,
+    saved_logits, keep, log_s_keep), for the upstream gradients g and e (None: zero); claims the
+    saved logits (SavedLogits). -> (dh, dw, db, dtemp)."""
+    SavedLogits.claim(ctx)
+    hidden, weight, bias32, temperature, targets, m, log_s, ent, saved_logits, keep, log_s_keep = saved
+    g = torch.zeros_like(m) if g is None else g.contiguous()
+    e = (torch.zeros_like(m) if e is None else e.contiguous()) if with_entropy else None
+    return run("linear_logp_backward", hidden=hidden, weight=weight, bias=bias32, targets=targets,
+               temperature=temperature, m=m, log_s=log_s, entropy=ent if with_entropy else None, g=g, e=e,
+               saved_logits=SavedLogits.for_backward(ctx, saved_logits), vocab_start=vocab_start,
+               real_vocab=real_vocab, chunk=chunk, ignore_index=ignore_index, dhidden_f32=dhidden_f32, keep=keep,
+               log_s_keep=log_s_keep if keep is not None else None)

@@ -143,8 +143,9 @@ def tp_forward(hidden, weight, bias32, temperature, targets, keep, cfg: _TPConfi
     cfg.save_logits)."""
     import torch.distributed as dist
     stats, tl, saved_logits, keep_sum = _ops.run(
-        "forward_stats", hidden, weight, bias32, targets, temperature, cfg.vocab_start, cfg.real_vocab, cfg.chunk, cfg.ignore_index,
-        cfg.with_entropy, cfg.save_logits, keep)
+        "forward_stats", hidden=hidden, weight=weight, bias=bias32, targets=targets, temperature=temperature,
+        vocab_start=cfg.vocab_start, real_vocab=cfg.real_vocab, chunk=cfg.chunk, ignore_index=cfg.ignore_index,
+        with_entropy=cfg.with_entropy, save_logits=cfg.save_logits, keep=keep)
     n, k_local, w = stats.shape
     k, off = cfg.v_global // cfg.chunk, cfg.vocab_start // cfg.chunk
     # One buffer: the statistics [n, k, w], then (with a nucleus) the kept sums [n, k], each shard's
@@ -159,8 +160,8 @@ def tp_forward(hidden, weight, bias32, temperature, targets, keep, cfg: _TPConfi
     dist.all_reduce(tl, op=dist.ReduceOp.SUM, group=cfg.group)
     full_stats = full[:, :kw].reshape(n, k, w)
     full_keep = full[:, kw:].contiguous() if keep is not None else None
-    return (*_ops.run("combine", full_stats.contiguous(), tl, targets, cfg.real_vocab, cfg.ignore_index, full_keep),
-            saved_logits)
+    return (*_ops.run("combine", stats=full_stats.contiguous(), target_logit=tl, targets=targets,
+                      real_vocab=cfg.real_vocab, ignore_index=cfg.ignore_index, keep_sum=full_keep), saved_logits)
 
 
 class _VocabParallel(torch.autograd.Function):
@@ -177,17 +178,12 @@ class _VocabParallel(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g, e):
         import torch.distributed as dist
-        _ops.SavedLogits.claim(ctx)
-        hidden, weight, bias32, temperature, targets, m, log_s, ent, saved_logits, keep, log_s_keep = ctx.saved_tensors
-        cfg = ctx.cfg
-        g = torch.zeros_like(m) if g is None else g.contiguous()
-        if cfg.with_entropy:
-            e = torch.zeros_like(m) if e is None else e.contiguous()
-        dh, dw, db, dtemp = _ops.run(
-            "linear_logp_backward", hidden, weight, bias32, targets, temperature, m, log_s, ent if cfg.with_entropy else None, g,
-            e if cfg.with_entropy else None, _ops.SavedLogits.for_backward(ctx, saved_logits), cfg.vocab_start,
-            cfg.real_vocab, cfg.chunk, cfg.ignore_index, True,  # f32 partials: summed over the shards
-            keep, log_s_keep if keep is not None else None)
+        cfg, saved = ctx.cfg, ctx.saved_tensors
+        hidden, bias32 = saved[0], saved[2]
+        dh, dw, db, dtemp = _ops.backward_of_saved(ctx, saved, g, e, vocab_start=cfg.vocab_start,
+                                                   real_vocab=cfg.real_vocab, chunk=cfg.chunk,
+                                                   ignore_index=cfg.ignore_index, with_entropy=cfg.with_entropy,
+                                                   dhidden_f32=True)  # f32 partials: summed over the shards
         if cfg.reduce_grad_hidden and ctx.needs_input_grad[0]:
             dist.all_reduce(dh, op=dist.ReduceOp.SUM, group=cfg.group)
         if ctx.needs_input_grad[3]:

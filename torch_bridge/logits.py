@@ -110,8 +110,8 @@ def _combined(stats, tl, targets, cfg: _Cfg, chunk: int):
         tl = tl.clone()
         torch.distributed.all_reduce(tl, group=cfg.group)
         stats = full
-    logp, ent, m, log_s, _ = _ops.run("combine", stats.contiguous(), tl.contiguous(), targets, cfg.real_vocab,
-                                      cfg.ignore_index)
+    logp, ent, m, log_s, _ = _ops.run("combine", stats=stats.contiguous(), target_logit=tl.contiguous(), targets=targets,
+                                      real_vocab=cfg.real_vocab, ignore_index=cfg.ignore_index)
     return logp, m + log_s, ent
 
 
