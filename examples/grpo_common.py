@@ -20,6 +20,27 @@ import numpy as np
 BANDS = 4
 
 
+def loop_parser(doc: str):
+    """The arguments both GRPO examples take (the run, the task, the GRPO step); each adds its own."""
+    import argparse
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--prompts", type=int, default=8, help="prompts per step")
+    ap.add_argument("--group", type=int, default=8, help="completions per prompt")
+    ap.add_argument("--prompt-len", type=int, default=4)
+    ap.add_argument("--gen-len", type=int, default=8)
+    ap.add_argument("--temperature", type=float, default=0.9)
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--clip", type=float, default=0.2)
+    ap.add_argument("--kl-coef", type=float, default=0.02)
+    ap.add_argument("--epochs", type=int, default=2, help="passes over each step's batch (the first on-policy)")
+    ap.add_argument("--drift-every", type=int, default=50, help="capture the layers every N steps (0: never)")
+    ap.add_argument("--no-plot", action="store_true")
+    return ap
+
+
 def prompts(rng: np.random.Generator, n: int, length: int, real_vocab: int) -> np.ndarray:
     """[n, length] int64: the band id, then random real ids."""
     out = rng.integers(0, real_vocab, size=(n, length))

@@ -16,7 +16,6 @@ intermediates) whose output differs between the decode step and the recompute at
 """
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
@@ -41,21 +40,7 @@ TINY = (2, 64, 4, 128, 256, 250)
 
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--steps", type=int, default=200)
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--prompts", type=int, default=8)
-    ap.add_argument("--group", type=int, default=8)
-    ap.add_argument("--prompt-len", type=int, default=4)
-    ap.add_argument("--gen-len", type=int, default=8)
-    ap.add_argument("--temperature", type=float, default=0.9)
-    ap.add_argument("--lr", type=float, default=1e-3)
-    ap.add_argument("--clip", type=float, default=0.2)
-    ap.add_argument("--kl-coef", type=float, default=0.02)
-    ap.add_argument("--epochs", type=int, default=2)
-    ap.add_argument("--drift-every", type=int, default=50)
-    ap.add_argument("--no-plot", action="store_true")
+    ap = G.loop_parser(__doc__)
     return ap.parse_args(argv)
 
 

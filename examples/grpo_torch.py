@@ -27,7 +27,6 @@ between decode and the recompute (rlk_common.diagnostics.first_drift). OUT/plot.
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import inspect
 import os
@@ -58,30 +57,16 @@ PRESETS = {  # name: (layers, hidden, heads, kv_heads, head_dim, intermediate, p
 
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = G.loop_parser(__doc__)
     ap.add_argument("--arm", choices=sorted(ARMS), default="fused")
-    ap.add_argument("--steps", type=int, default=200)
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
-    ap.add_argument("--prompts", type=int, default=8, help="prompts per step")
-    ap.add_argument("--group", type=int, default=8, help="completions per prompt")
-    ap.add_argument("--prompt-len", type=int, default=4)
-    ap.add_argument("--gen-len", type=int, default=8)
-    ap.add_argument("--temperature", type=float, default=0.9)
     ap.add_argument("--top-p", type=float, default=0.95)
-    ap.add_argument("--lr", type=float, default=1e-3)
-    ap.add_argument("--clip", type=float, default=0.2)
-    ap.add_argument("--kl-coef", type=float, default=0.02)
-    ap.add_argument("--epochs", type=int, default=2, help="passes over each step's batch (the first on-policy)")
     ap.add_argument("--tp", type=int, default=1, help="the trainer's vocab-parallel degree (gloo processes)")
     ap.add_argument("--graphs", action="store_true", help="score the rollout as one CUDA graph (cuda only)")
-    ap.add_argument("--drift-every", type=int, default=50, help="capture the layers every N steps (0: never)")
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (0: torch's default; one is "
                     "fastest for the tiny model on a shared machine)")
-    ap.add_argument("--no-plot", action="store_true")
     return ap.parse_args(argv)
 
 

@@ -385,8 +385,7 @@ struct Batch {
 };
 
 // Batch item b of the Operands into FwdArgs or BwdArgs.
-template <class Args>
-void operands_at(Args& a, const Operands& io, const Batch& batch, int64_t b, bool has_bias) {
+inline void operands_at(OperandArgs& a, const Operands& io, const Batch& batch, int64_t b, bool has_bias) {
   a.hidden = batch.at(io.hidden, b);
   a.weight = batch.at(io.weight, b);
   a.bias = has_bias ? batch.at<const float>(io.bias, b) : nullptr;

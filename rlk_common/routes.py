@@ -162,7 +162,8 @@ class RouteLog:
                 "fallback_total": sum(fallbacks.values()), "backend_id": backend_id, "audit": self.audit.summary()}
 
     def reset(self, core) -> None:
-        """Zero the compiled module's counters (every frontend's) and this log."""
+        """Zero the compiled module's counters (process-wide: every frontend's kernel counters restart)
+        and this log."""
         core.reset_route_counts()
         self._clear()
         self.audit.reset()

@@ -31,14 +31,11 @@ def record_audit(ours, ref) -> None:
 
 
 def route_stats() -> dict:
-    """Counters since the last reset (rlk_common.routes.RouteLog.stats). Process-wide: the fused
-    kernels' counters ("backends", and the calls and tokens summed from them) are the compiled
-    module's, one set per process, which torch_bridge.route_stats() reports too; the reference,
-    fallbacks, backend_id and audit are this frontend's own."""
+    """This frontend's counters since the last reset, in rlk_common.routes.RouteLog.stats's schema;
+    the kernels' counters are the process's, shared with torch_bridge."""
     return _log.stats(core)
 
 
 def reset_route_stats() -> None:
-    """Zero this frontend's log and the compiled module's counters: process-wide, so
-    torch_bridge.route_stats()'s kernel counters restart too."""
+    """RouteLog.reset: this frontend's log and the process's kernel counters (torch_bridge's too)."""
     _log.reset(core)

@@ -234,6 +234,16 @@ RLK_HD float dz_of(float zm, float p, float pk, bool is_target, float log_s, flo
 
 // ---- the calls -------------------------------------------------------------------------------
 
+// The operands forward and backward share: the problem's, and its nucleus (keep, null: none).
+struct OperandArgs {
+  const void* hidden = nullptr;
+  const void* weight = nullptr;
+  const float* bias = nullptr;
+  const int32_t* targets = nullptr;
+  const float* temperature = nullptr;
+  const uint8_t* keep = nullptr;
+};
+
 // Forward partial statistics.
 //   in : hidden [n, h], weight [v, h] (dtype), bias [v] f32 (null when !has_bias; fp32 so that a
 //        frontend can also mask padding columns through it, whatever the dtype), targets [n] int32,
@@ -246,13 +256,7 @@ RLK_HD float dz_of(float zm, float p, float pk, bool is_target, float log_s, flo
 //        m_chunk), m_chunk the chunk's statistic m; logits (null unless the fast backward will
 //        follow): saved_logits_bytes(p, backend) bytes, whatever the backward of that backend needs in its
 //        own layout (see saved_logits_bytes).
-struct FwdArgs {
-  const void* hidden = nullptr;
-  const void* weight = nullptr;
-  const float* bias = nullptr;
-  const int32_t* targets = nullptr;
-  const float* temperature = nullptr;
-  const uint8_t* keep = nullptr;
+struct FwdArgs : OperandArgs {
   float* stats = nullptr;
   float* target_logit = nullptr;
   float* keep_sum = nullptr;
@@ -299,18 +303,12 @@ RLK_HD void combine_one(const CombineArgs& a, int64_t i) {
 //   Strategy: with `logits` (the forward's saved logits, saved_logits_bytes of the backend) the backward
 //   reads it instead of recomputing z ("fast"; the CUDA backend overwrites the buffer with dlogit,
 //   so it serves one backward); without, it recomputes z tile by tile ("lean").
-struct BwdArgs {
-  const void* hidden = nullptr;
-  const void* weight = nullptr;
-  const float* bias = nullptr;
-  const int32_t* targets = nullptr;
-  const float* temperature = nullptr;
+struct BwdArgs : OperandArgs {
   const float* m = nullptr;
   const float* log_s = nullptr;
   const float* entropy = nullptr;
   const float* g = nullptr;
   const float* e = nullptr;
-  const uint8_t* keep = nullptr;
   const float* log_s_keep = nullptr;
   void* saved_logits = nullptr;
   void* dhidden = nullptr;
