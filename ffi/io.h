@@ -359,7 +359,6 @@ struct Batch {
   std::vector<int64_t> lead;
   int64_t count = 1;
 
-  Batch() = default;
   explicit Batch(const std::vector<int64_t>& out_lead) : lead(out_lead) {
     for (int64_t d : lead) count *= d;
   }
@@ -414,22 +413,9 @@ Rules rules_of(const IO& io, bool batched) {
   return r;
 }
 
-// A forward's or backward's checks and Problem; on success the executor takes the call's workspace.
-template <class IO, class Exec>
-Fail prepare(Exec& ex, const IO& io, const Attrs& at, bool batched, Problem* p, Batch* batch) {
-  Rules r = rules_of(io, batched);
-  if (!r.fail) check(r, io, at, Exec::saved_logits_bytes, p);
-  if (r.fail) return r.fail;
-  ex.use_workspace(io.workspace.data, io.workspace.given ? size_t(io.workspace.core_bytes()) : 0);
-  *batch = Batch(r.batch);
-  return {};
-}
-
+// The forward's batch items, after run's checks.
 template <class Exec>
-Fail run(Exec& ex, const ForwardIO& io, const Attrs& at, bool batched) {
-  Problem p;
-  Batch batch;
-  if (Fail f = prepare(ex, io, at, batched, &p, &batch)) return f;
+Fail run_batch(Exec& ex, const ForwardIO& io, const Attrs& at, Problem p, const Batch& batch) {
   // Rows are independent: with one shared weight and every row operand batched alike, the batch
   // folds into the rows (the same bits as a loop, since results are batch invariant).
   const bool fold = batch.single(io.weight) && batch.single(io.bias) && batch.full(io.hidden) &&
@@ -485,11 +471,9 @@ Fail run(Exec& ex, const CombineIO& io, const Attrs& at, bool batched) {
   return {};
 }
 
+// The backward's batch items, after run's checks.
 template <class Exec>
-Fail run(Exec& ex, const BackwardIO& io, const Attrs& at, bool batched) {
-  Problem p;
-  Batch batch;
-  if (Fail f = prepare(ex, io, at, batched, &p, &batch)) return f;
+Fail run_batch(Exec& ex, const BackwardIO& io, const Attrs& at, const Problem& p, const Batch& batch) {
   DType dh_dtype;
   to_dtype(io.dhidden.elem, &dh_dtype);
   for (int64_t b = 0; b < batch.count; ++b) {
@@ -511,6 +495,18 @@ Fail run(Exec& ex, const BackwardIO& io, const Attrs& at, bool batched) {
     if (Fail f = kernel(ex.backward(p, a))) return f;
   }
   return {};
+}
+
+// A forward or a backward (the combine has its own run above): its checks and Problem; on success the
+// executor takes the call's workspace and run_batch runs the batch items.
+template <class Exec, class IO>
+Fail run(Exec& ex, const IO& io, const Attrs& at, bool batched) {
+  Rules r = rules_of(io, batched);
+  Problem p;
+  if (!r.fail) check(r, io, at, Exec::saved_logits_bytes, &p);
+  if (r.fail) return r.fail;
+  ex.use_workspace(io.workspace.data, io.workspace.given ? size_t(io.workspace.core_bytes()) : 0);
+  return run_batch(ex, io, at, p, Batch(r.batch));
 }
 
 }  // namespace rlk::io
