@@ -191,9 +191,7 @@ const char* sm90_dlogit(const Problem& p, const BwdArgs& a, int64_t rows, void* 
   if (const char* e = setup(p, a.hidden, rows, a.weight, a.bias, a.temperature, kDlogitSplitCols, &ma, &mb, &P)) return e;
   P.part = dzz;
   set_out(&P, &mo, map_type(p), dlog, p.v, ldd, p.chunk);
-  GradRows G{a.targets, a.m, a.log_s, nullptr, a.g, nullptr, p.ignore_index};
-  if (p.with_entropy && a.e) { G.ent = a.entropy; G.e = a.e; }
-  return launch<Epi::kDlogit>(p.dtype == DType::kBF16, ma, mb, mo, P, G, P.row_tiles * P.nsplit, stream);
+  return launch<Epi::kDlogit>(p.dtype == DType::kBF16, ma, mb, mo, P, grad_rows(p, a), P.row_tiles * P.nsplit, stream);
 }
 
 }  // namespace rlk::cuda::detail

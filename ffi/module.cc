@@ -205,6 +205,16 @@ constexpr const char* kNoCuda = "this build of _rlk_core has no CUDA backend (bu
 
 // A kernel (a route counter's name) and why it cannot run, "" if it can (as far as the build knows:
 // the CUDA forward's sm90-or-portable choice is made per call, on the device, by forward_backend).
+// A stage's XLA FFI operands in call order, as (name, rank) from its table (io.h): the JAX
+// frontend builds its calls from this, so an operand added to a table reaches it by name.
+template <class IO>
+nb::list ffi_operands() {
+  nb::list out;
+  for (const auto& f : rlk::io::fields<IO>())
+    if ((f.flags & rlk::io::kFfi) && (f.flags & rlk::io::kIn)) out.append(nb::make_tuple(f.name, f.core_rank));
+  return out;
+}
+
 nb::dict kernel(const char* reason_if_not, bool built) {
   nb::dict k;
   k["supported"] = built;
@@ -286,6 +296,14 @@ NB_MODULE(_rlk_core, m) {
 #endif
     return out;
   });
+
+  m.def("ffi_operands", [] {
+    nb::dict out;
+    out["forward"] = ffi_operands<rlk::io::ForwardIO>();
+    out["combine"] = ffi_operands<rlk::io::CombineIO>();
+    out["backward"] = ffi_operands<rlk::io::BackwardIO>();
+    return out;
+  }, "Each stage's XLA FFI operands in call order: {stage: [(name, rank), ...]} (ffi/io.h's tables).");
 
   m.def("platforms", &platforms, nb::arg("cuda_device") = nb::none(),
         "The platforms this module knows, by name ('cpu', 'cuda'): each one's names in XLA, jax and DLPack,\n"

@@ -72,65 +72,76 @@ def _workspace(hidden, weight, cfg: KernelConfig, which: str, dhidden_f32: bool 
     return {p["xla_platform"]: nbytes for p in PLATFORMS.values() if p["workspace"]}
 
 
-def _bias_arg(bias):
-    return bias if bias is not None else jnp.zeros((0,), F32)
+_OPERANDS = core.ffi_operands()
+# What an absent buffer is passed as, where its element type is checked even when empty (the rest: f32).
+_ABSENT_DTYPE = {"keep": jnp.uint8, "saved_logits": jnp.uint8}
 
 
-def _opt(x, rank, dtype=F32):
-    """An optional buffer (the nucleus's): x, or the empty array the kernels read as absent."""
-    return x if x is not None else jnp.zeros((0,) * rank, dtype)
+def _operands(stage: str, buffers: dict) -> tuple:
+    """The stage's FFI operands in its table's order (ffi/io.h, through core.ffi_operands), each
+    taken from `buffers` by name; an absent one (None, or not given) is the empty array the kernels
+    read as absent. A name not in the table is a TypeError (an operand the kernels do not take)."""
+    table = _OPERANDS[stage]
+    unknown = set(buffers) - {name for name, _ in table}
+    if unknown:
+        raise TypeError(f"rlk_{stage} takes no operand(s) {sorted(unknown)}; its operands: {[n for n, _ in table]}")
+    return tuple(buffers[name] if buffers.get(name) is not None else jnp.zeros((0,) * rank, _ABSENT_DTYPE.get(name, F32))
+                 for name, rank in table)
 
 
-def forward(hidden, weight, bias, targets, temperature, cfg: KernelConfig, save_logits: bool = False, keep=None):
-    """bias: [v] f32 or None; temperature [n] f32 (the kernels form 1/T); keep: a nucleus, uint8 [n, v],
-    or None. -> stats [n, v/chunk, STAT_WIDTH] f32, target_logit [n] f32 (0 where the target is not a
-    real id of this shard; with keep, -inf where it is outside the nucleus), saved_logits: with
-    save_logits the fast backward's record, uint8 [saved_logits_bytes] in the backend's own layout, else [0];
+def forward(cfg: KernelConfig, *, save_logits: bool = False, **buffers):
+    """buffers by the forward table's names: hidden [n, h], weight [v, h], bias [v] f32 or None,
+    targets [n], temperature [n] f32 (the kernels form 1/T), keep (a nucleus, uint8 [n, v], or None).
+    -> stats [n, v/chunk, STAT_WIDTH] f32, target_logit [n] f32 (0 where the target is not a real id
+    of this shard; with keep, -inf where it is outside the nucleus), saved_logits: with save_logits
+    the fast backward's record, uint8 [saved_logits_bytes] in the backend's own layout, else [0];
     keep_sum: with keep the nucleus's per-chunk sums [n, v/chunk] f32, else [0, 0]."""
+    hidden, weight, keep = buffers["hidden"], buffers["weight"], buffers.get("keep")
     n, v = hidden.shape[0], weight.shape[0]
-    args = (hidden, weight, _bias_arg(bias), targets, temperature, _opt(keep, 2, jnp.uint8))
+    args = _operands("forward", buffers)
     saved = saved_logits_bytes(n, v, cfg.chunk, hidden.dtype) if save_logits else 0
     results = (_sds((n, v // cfg.chunk, STAT_WIDTH), F32, args), _sds((n,), F32, args), _sds((saved,), jnp.uint8, args),
                _sds((n, v // cfg.chunk) if keep is not None else (0, 0), F32, args))
     return _on_platform(results, _workspace(hidden, weight, cfg, "forward"), "rlk_forward", args, cfg.attrs())
 
 
-def combine(stats, target_logit, targets, *, real_vocab: int, ignore_index: int, keep_sum=None):
-    """All chunks of the global vocab -> (logp, entropy, m, log_s, log_s_keep), each [n] f32 (m, log_s:
-    the row max and log sum exp(z - m), what the backward takes); with keep_sum (every chunk's kept
-    sums) logp is the nucleus's and log_s_keep = log sum_kept exp(z - m), else log_s_keep is [0]."""
-    n = stats.shape[0]
+def combine(*, real_vocab: int, ignore_index: int, **buffers):
+    """buffers: stats, target_logit, targets, keep_sum (None: no nucleus) of all chunks of the global
+    vocab -> (logp, entropy, m, log_s, log_s_keep), each [n] f32 (m, log_s: the row max and log sum
+    exp(z - m), what the backward takes); with keep_sum (every chunk's kept sums) logp is the
+    nucleus's and log_s_keep = log sum_kept exp(z - m), else log_s_keep is [0]."""
+    n = buffers["stats"].shape[0]
     cfg = KernelConfig(vocab_start=0, real_vocab=real_vocab, chunk=1, ignore_index=ignore_index, has_bias=False,
                        with_entropy=True)
-    args = (stats, target_logit, targets, _opt(keep_sum, 2))
-    results = (_sds((n,), F32, args),) * 4 + (_sds((n if keep_sum is not None else 0,), F32, args),)
+    args = _operands("combine", buffers)
+    results = (_sds((n,), F32, args),) * 4 + (_sds((n if buffers.get("keep_sum") is not None else 0,), F32, args),)
     return _on_platform(results, {}, "rlk_combine", args, cfg.attrs())
 
 
-def backward(hidden, weight, bias, targets, temperature, m, log_s, entropy, g, e, cfg: KernelConfig, *,
-             saved_logits, dhidden_f32: bool, keep=None, log_s_keep=None):
-    """-> dhidden [n, h], dweight [v, h], dbias [v] f32, dtemperature [n] f32 (dhidden and
+def backward(cfg: KernelConfig, *, dhidden_f32: bool, **buffers):
+    """buffers by the backward table's names: the forward's operands, the combine's m, log_s and
+    entropy, the cotangents g and e (entropy and e: only with cfg.with_entropy), saved_logits (the
+    forward's record: the fast strategy, whose CUDA kernels overwrite it, which XLA gives them
+    through an operand-result alias; None: lean, recompute), and keep (the forward's nucleus) with
+    log_s_keep (the combine's) for the gradient of the nucleus's logp.
+    -> dhidden [n, h], dweight [v, h], dbias [v] f32, dtemperature [n] f32 (dhidden and
     dtemperature: this shard's part). dhidden is f32 with dhidden_f32 (a vocab shard's partial, to be
     summed over shards), else in hidden's dtype, rounded once from the f32 sum (the whole vocab: no
-    f32 [n, h] buffer at all).
-    saved_logits: the forward's record (the fast strategy; the CUDA kernels overwrite it, which XLA
-    gives them through an operand-result alias), or None (lean: recompute).
-    keep (the forward's nucleus) with log_s_keep (the combine's): the gradient of the nucleus's logp."""
+    f32 [n, h] buffer at all)."""
+    hidden, weight, saved_logits = buffers["hidden"], buffers["weight"], buffers.get("saved_logits")
     n, h = hidden.shape
     v = weight.shape[0]
-    empty = jnp.zeros((0,), F32)
-    args = (hidden, weight, _bias_arg(bias), targets, temperature, m, log_s,
-            entropy if cfg.with_entropy else empty, g, e if cfg.with_entropy else empty, _opt(keep, 2, jnp.uint8),
-            _opt(log_s_keep, 1))
+    if not cfg.with_entropy:
+        buffers = dict(buffers, entropy=None, e=None)
+    args = _operands("backward", buffers)
     results = (_sds((n, h), F32 if dhidden_f32 else hidden.dtype, args), _sds((v, h), weight.dtype, args),
                _sds((v if cfg.has_bias else 0,), F32, args), _sds((n,), F32, args))
     _prepare_cuda()
-    saved = jnp.zeros((0,), jnp.uint8) if saved_logits is None else saved_logits
-    args += (saved,)
-    results += (_sds(saved.shape, saved.dtype, args),)
+    saved_at = [name for name, _ in _OPERANDS["backward"]].index("saved_logits")
+    results += (_sds(args[saved_at].shape, args[saved_at].dtype, args),)
     ws = _workspace(hidden, weight, cfg, "lean" if saved_logits is None else "fast", dhidden_f32)
     # lean's empty record is not aliased: under vmap it stays unbatched while its result is batched.
-    aliases = None if saved_logits is None else {len(args) - 1: 4}
+    aliases = None if saved_logits is None else {saved_at: 4}
     out = _on_platform(results, ws, "rlk_backward", args, cfg.attrs(), aliases=aliases)
     return tuple(out[:4])
 

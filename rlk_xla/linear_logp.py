@@ -205,8 +205,8 @@ def _varying(st: _Static, *xs):
 def _fused_fwd(st: _Static, hidden, weight, bias, temperature, targets, ktargets, chunk_offset, keep):
     hidden, weight, bias, temperature = _first_order_only((hidden, weight, bias, temperature))
     hk, tk, ktk = _varying(st, hidden, temperature, ktargets)
-    stats, target_logit, saved, keep_sum = _ops.forward(hk, weight, bias, ktk, tk, st.cfg, save_logits=st.save_logits,
-                                                        keep=keep)
+    stats, target_logit, saved, keep_sum = _ops.forward(st.cfg, save_logits=st.save_logits, hidden=hk, weight=weight,
+                                                        bias=bias, targets=ktk, temperature=tk, keep=keep)
     if st.axis_name is not None:
         # Every shard places its chunks at their global position and the sum over shards adds
         # exact zeros elsewhere: all shards then hold the same [n, chunks, 3] statistics (and the
@@ -221,8 +221,8 @@ def _fused_fwd(st: _Static, hidden, weight, bias, temperature, targets, ktargets
         if keep is not None:
             full_keep = lax.dynamic_update_slice(jnp.zeros((n, k_local * st.tp), F32), keep_sum, (0, chunk_offset))
             keep_sum = lax.psum(full_keep, st.axis_name)
-    logp, ent, m, log_s, log_s_keep = _ops.combine(stats, target_logit, targets, real_vocab=st.real_vocab,
-                                                ignore_index=st.ignore_index,
+    logp, ent, m, log_s, log_s_keep = _ops.combine(real_vocab=st.real_vocab, ignore_index=st.ignore_index, stats=stats,
+                                                target_logit=target_logit, targets=targets,
                                                 keep_sum=keep_sum if keep is not None else None)
     if not st.cfg.with_entropy:
         ent = jnp.zeros_like(logp)
@@ -240,8 +240,9 @@ def _fused_bwd(st: _Static, res, cts):
     if keep is not None:
         keep, log_s_keep = _varying(st, keep, log_s_keep)
     # A shard's dH is a partial sum: f32 until the all-reduce; the whole vocab's comes in the dtype.
-    dh, dw, db, dtemp = _ops.backward(hk, weight, bias, ktk, tk, mk, lsk, ek, gk, eek, st.cfg, saved_logits=saved,
-                                   dhidden_f32=st.axis_name is not None, keep=keep, log_s_keep=log_s_keep)
+    dh, dw, db, dtemp = _ops.backward(st.cfg, dhidden_f32=st.axis_name is not None, hidden=hk, weight=weight, bias=bias,
+                                   targets=ktk, temperature=tk, m=mk, log_s=lsk, entropy=ek, g=gk, e=eek,
+                                   saved_logits=saved, keep=keep, log_s_keep=log_s_keep)
     if st.axis_name is not None:
         # dH and dT are partial sums over this shard's vocab: one all-reduce each over the vocab
         # axis; dW and db stay local (reduced only over a token axis the weight is replicated on).

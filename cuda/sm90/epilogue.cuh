@@ -19,6 +19,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "rlk/linear_logp.h"
 #include "sm90/params.cuh"
@@ -36,6 +37,30 @@ constexpr int kStagingBytes = 2 /*warpgroups*/ * 2 /*boxes*/ * kBoxBytes;
 // Named barrier ids of the consumer warpgroups' staging buffers: kStagingBarrier + cw (id 0 is
 // __syncthreads).
 constexpr int kStagingBarrier = 1;
+
+// ---- the epilogue's per-kind kernel argument (GradArg) ---------------------------------------------
+// A kernel argument of its own, empty for kStats: in Params, kDlogit's 48 bytes made ptxas spill in
+// the forward kernels.
+// kDlogit's per-row inputs (of this pass), taken from the backward's arguments by grad_rows: a new
+// per-row gradient input is a field here, its line in grad_rows and its use in row_grad.
+struct GradRows {
+  const int32_t* targets;
+  const float *m, *log_s, *ent, *g, *e;  // ent, e null: no entropy term
+  int64_t ignore_index;
+};
+inline GradRows grad_rows(const Problem& p, const BwdArgs& a) {
+  const bool ent = p.with_entropy && a.e;
+  return {a.targets, a.m, a.log_s, ent ? a.entropy : nullptr, a.g, ent ? a.e : nullptr, p.ignore_index};
+}
+// kSave's: where the group maxima of the saved record go (this pass's rows).
+struct SaveRows {
+  float* head;  // [rows, layout.floats] the saved record's head
+  SavedLayout layout;
+};
+struct NoGradRows {};
+template <Epi kEpi>
+using GradArg = std::conditional_t<kEpi == Epi::kDlogit, GradRows,
+                                   std::conditional_t<kEpi == Epi::kSave, SaveRows, NoGradRows>>;
 
 // ---- accumulator layout and the 2-byte packings of the tile store ------------------------------
 // Lane l of warp w (in its warpgroup) holds rows w*16 + l/4 (values d[4j], d[4j+1]) and +8

@@ -3,7 +3,6 @@
 #pragma once
 
 #include <cstdint>
-#include <type_traits>
 
 #include "linear_logp_cuda.h"  // SavedLayout
 
@@ -35,22 +34,5 @@ struct Params {
   int64_t ldo, cols;  // its row stride and width (columns past `cols` are not written)
   bool out_tma;       // the output goes out by TMA (16-byte aligned rows and tile starts)
 };
-
-// kDlogit's per-row inputs (of this pass). A separate kernel argument, empty for the other kinds:
-// in Params, these 48 bytes made ptxas spill in the forward kernels.
-struct GradRows {
-  const int32_t* targets;
-  const float *m, *log_s, *ent, *g, *e;  // ent, e may be null (no entropy term)
-  int64_t ignore_index;
-};
-// kSave's: where the group maxima of the saved record go (this pass's rows).
-struct SaveRows {
-  float* head;  // [rows, layout.floats] the saved record's head
-  SavedLayout layout;
-};
-struct NoGradRows {};
-template <Epi kEpi>
-using GradArg = std::conditional_t<kEpi == Epi::kDlogit, GradRows,
-                                   std::conditional_t<kEpi == Epi::kSave, SaveRows, NoGradRows>>;
 
 }  // namespace rlk::cuda::detail::sm90

@@ -204,3 +204,16 @@ def test_thread_start_failure_is_an_error_not_terminate():
     r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "RAISED" in r.stdout and "could not start a worker thread" in r.stdout, r.stdout + r.stderr[-2000:]
+
+
+def test_jax_calls_pass_the_tables_operands_by_name():
+    # rlk_xla._ops builds each FFI call's operands from the binder's table (core.ffi_operands), so
+    # an operand added there reaches JAX by name; a name the table does not have is refused.
+    from rlk_xla import _ops
+    table = core.ffi_operands()
+    names = [name for name, _ in table["forward"]]
+    assert names == ["hidden", "weight", "bias", "targets", "temperature", "keep"]  # operands()'s order
+    assert [name for name, _ in table["backward"]][-1] == "saved_logits"  # its alias index comes from here
+    cfg = _ops.KernelConfig(vocab_start=0, real_vocab=V, chunk=V, ignore_index=-100, has_bias=True, with_entropy=True)
+    with pytest.raises(TypeError, match=r"rlk_forward takes no operand\(s\) \['dlse'\]"):
+        _ops.forward(cfg, **dict(zip(names, operands())), dlse=jnp.zeros((N,), F32))
