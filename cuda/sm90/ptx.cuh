@@ -10,14 +10,18 @@
 
 namespace rlk::cuda::detail::sm90 {
 
-__device__ __forceinline__ uint32_t smem_u32(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
 
 // ---- mbarriers ----------------------------------------------------------------------------------
 __device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count));
 }
 // The initialised mbarriers made visible to the other threads and to the TMA unit.
-__device__ __forceinline__ void fence_mbar_init() { asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory"); }
+__device__ __forceinline__ void fence_mbar_init() {
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
 __device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
 }
@@ -45,7 +49,9 @@ __device__ __forceinline__ void tma_store_2d(const CUtensorMap* map, uint32_t sr
 // clang-format on
 __device__ __forceinline__ void tma_store_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
 // The staging buffer may be rewritten once the stores issued from it have read it.
-__device__ __forceinline__ void tma_store_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); }
+__device__ __forceinline__ void tma_store_wait_read() {
+  asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
+}
 __device__ __forceinline__ void tma_store_wait_all() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
 // Generic-proxy writes to shared memory made visible to the TMA (async proxy) that reads them.
 __device__ __forceinline__ void fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
@@ -54,8 +60,12 @@ __device__ __forceinline__ void fence_async_smem() { asm volatile("fence.proxy.a
 // Named barrier `id` over one warpgroup's 128 threads (id 0 is __syncthreads).
 __device__ __forceinline__ void warpgroup_bar_sync(int id) { asm volatile("bar.sync %0, 128;\n" ::"r"(id) : "memory"); }
 // Register reallocation between warpgroups (every thread of the warpgroup executes it).
-template <int N> __device__ __forceinline__ void setmaxnreg_dec() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N)); }
-template <int N> __device__ __forceinline__ void setmaxnreg_inc() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N)); }
+template <int N> __device__ __forceinline__ void setmaxnreg_dec() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N));
+}
+template <int N> __device__ __forceinline__ void setmaxnreg_inc() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N));
+}
 
 // ---- wgmma --------------------------------------------------------------------------------------
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
@@ -82,8 +92,11 @@ __device__ __forceinline__ uint64_t smem_desc(uint32_t addr) {
 // One m64n256k16 wgmma of the warpgroup: d (64x256 fp32, 128 per thread) = A B^T, plus d unless
 // scale_d == 0; A (64x16) and B (256x16) are K-major in shared memory, given by descriptors.
 template <bool kBf16> __device__ __forceinline__ void wgmma_tile(float* d, uint64_t da, uint64_t db, int scale_d) {
-  if constexpr (kBf16) { RLK_WGMMA_M64N256K16("bf16"); }
-  else { RLK_WGMMA_M64N256K16("f16"); }
+  if constexpr (kBf16) {
+    RLK_WGMMA_M64N256K16("bf16");
+  } else {
+    RLK_WGMMA_M64N256K16("f16");
+  }
 }
 #undef RLK_WGMMA_M64N256K16
 
