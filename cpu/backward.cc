@@ -18,7 +18,6 @@ struct RowBlock {
   fvec active[kRowVecs];  // 1 for rows that get gradient, else 0
 };
 
-
 void load_row_block(const Problem& p, const BwdArgs& a, int64_t blk, RowBlock& rb) {
   for (int rv = 0; rv < kRowVecs; ++rv)
     for (int l = 0; l < kLanes; ++l) {
@@ -28,8 +27,8 @@ void load_row_block(const Problem& p, const BwdArgs& a, int64_t blk, RowBlock& r
       const bool act = in && classify_target(t, p.real_vocab, p.ignore_index) == TargetKind::kValid;
       // A row with non-finite statistics (a NaN row; with a nucleus, also an empty one) gets NaN in
       // every column, -inf logits too.
-      const bool nan_row = act && !(std::isfinite(a.m[r]) && std::isfinite(a.log_s[r]) &&
-                                    (!a.keep || std::isfinite(a.log_s_keep[r])));
+      const bool nan_row =
+          act && !(std::isfinite(a.m[r]) && std::isfinite(a.log_s[r]) && (!a.keep || std::isfinite(a.log_s_keep[r])));
       rb.inv_temp[rv][l] = in ? reciprocal(a.temperature[r]) : 1.f;
       rb.m[rv][l] = act ? a.m[r] : 0.f;
       rb.log_s[rv][l] = act ? a.log_s[r] : 0.f;
@@ -80,8 +79,9 @@ void dlogit_tile(float* t, int64_t gid0, int64_t valid, const RowBlock& rb, cons
         pk = kept & live ? (kind.q ? x * kind.wk[rv] : vexp(zm - rb.log_s_keep[rv])) : splat(0.f);
         delta = kept ? delta : splat(0.f);
       }
-      const fvec dz = rb.active[rv] > 0.f ? rb.g[rv] * (delta - pk) + rb.e[rv] * (live ? pr * (rb.c[rv] - zm) : splat(0.f))
-                                            : splat(0.f);
+      const fvec dz = rb.active[rv] > 0.f
+                          ? rb.g[rv] * (delta - pk) + rb.e[rv] * (live ? pr * (rb.c[rv] - zm) : splat(0.f))
+                          : splat(0.f);
       if (dzz) dzz[rv] += live ? dz * zm : splat(0.f);
       vstore(zp, dz * rb.inv_temp[rv]);
     }
@@ -89,8 +89,8 @@ void dlogit_tile(float* t, int64_t gid0, int64_t valid, const RowBlock& rb, cons
 
 // The tile of row block `blk` and columns [v0, v0 + valid) (forward tile `tile` of the row): from
 // the saved logits (fast) or recomputed (lean; needs the logits' weight tile in w).
-void z_tile(const Problem& p, const BwdArgs& a, const Panels& ap, int64_t blk, int64_t v0, int64_t valid,
-            int64_t tile, const RowBlock& rb, WeightTile& w, float* t, TileKind& kind) {
+void z_tile(const Problem& p, const BwdArgs& a, const Panels& ap, int64_t blk, int64_t v0, int64_t valid, int64_t tile,
+            const RowBlock& rb, WeightTile& w, float* t, TileKind& kind) {
   kind.q = a.saved_logits && !saved_f32(p);
   if (!a.saved_logits) {
     tile_logits(p, ap, w, blk, t);
@@ -126,7 +126,8 @@ void saved_dzz(const Problem& p, const BwdArgs& a, int64_t blk, const RowBlock& 
       const float* mom = row.moments(a.saved_logits, r);
       float acc = 0.f;
       for (int64_t k = 0; k < row.chunks; ++k, mom += kMoments)
-        acc += a.keep ? kept_moments_dzz(mom, m, log_s, rb.log_s_keep[rv][l], c, g, e) : moments_dzz(mom, m, log_s, c, g, e);
+        acc += a.keep ? kept_moments_dzz(mom, m, log_s, rb.log_s_keep[rv][l], c, g, e)
+                      : moments_dzz(mom, m, log_s, c, g, e);
       const int64_t t = rb.target[rv][l] - p.vocab_start;
       if (t >= 0 && t < real_end && (!a.keep || a.keep[r * p.v + t])) acc += g * (*row.z_target(a.saved_logits, r) - m);
       dzz[rv][l] = acc;
@@ -177,8 +178,8 @@ __attribute__((noinline)) void dh_tile(const Problem& p, const float* w, int64_t
     dlogit_vocab_pairs(t, s.dl.data());
     for (int64_t r = 0; r < kBlock; r += kGradRows)
       outer_grid<kGradRows, kGradVecs>(
-          Outer<uint32_t>{s.dl.data() + r, kBlock, 1, s.wj.data(), hp, cdiv(rows, 2), dh + r * hp, hp},
-          kGradRows, hp / kLanes, false);
+          Outer<uint32_t>{s.dl.data() + r, kBlock, 1, s.wj.data(), hp, cdiv(rows, 2), dh + r * hp, hp}, kGradRows,
+          hp / kLanes, false);
     return;
   }
 #endif
@@ -245,9 +246,10 @@ __attribute__((noinline)) void dw_tile(const Problem& p, const Panels& ap, int64
     const int64_t hp = padded_h(p), g = blk % kDwBlocks, ldl = kDwBlocks * kBlock / 2;
     dlogit_row_pairs(s.t.data(), s.dl.data() + g * kBlock / 2, ldl);
     if (g + 1 < kDwBlocks && blk + 1 < blocks) return;
-    outer_grid<kGradRows, kGradVecs>(Outer<uint32_t>{s.dl.data(), 1, ldl, ap.row_pairs.data() + (blk - g) * kBlock / 2 * hp,
-                                                     hp, (g + 1) * kBlock / 2, s.dw.data(), hp},
-                                     kTileV, hp / kLanes, false);
+    outer_grid<kGradRows, kGradVecs>(
+        Outer<uint32_t>{s.dl.data(), 1, ldl, ap.row_pairs.data() + (blk - g) * kBlock / 2 * hp, hp,
+                        (g + 1) * kBlock / 2, s.dw.data(), hp},
+        kTileV, hp / kLanes, false);
     return;
   }
 #endif
@@ -351,9 +353,8 @@ Status backward(const Problem& p, const BwdArgs& a) {
     const int64_t nb = blocks >= kDhBlocks * num_threads() ? kDhBlocks : 1, units = cdiv(blocks, nb);
     const int workers = workers_for(units);
     auto sc = make(workers, true);
-    parallel_for(units, workers, [&](int w, int64_t u) {
-      dhidden_unit(p, a, ap, u * nb, std::min(nb, blocks - u * nb), sc[w]);
-    });
+    parallel_for(units, workers,
+                 [&](int w, int64_t u) { dhidden_unit(p, a, ap, u * nb, std::min(nb, blocks - u * nb), sc[w]); });
   }
   {
     const int workers = workers_for(tiles);

@@ -22,16 +22,20 @@ struct Level {
 }  // namespace
 
 // Each level's entry points (defined by the kernel sources compiled for it) and its row of the table.
-#define RLK_CPU_LEVEL(level, check)                                                                  \
-  namespace isa_##level {                                                                            \
-  size_t saved_logits_bytes(const Problem& p);                                                       \
-  Status forward(const Problem& p, const FwdArgs& a);                                                \
-  Status combine(const CombineArgs& a);                                                              \
-  Status backward(const Problem& p, const BwdArgs& a);                                               \
-  }                                                                                                  \
-  static bool runs_##level() { return check; }                                                       \
-  static constexpr Level kLevel_##level{#level, runs_##level, isa_##level::saved_logits_bytes,       \
-                                        isa_##level::forward, isa_##level::combine, isa_##level::backward};
+#define RLK_CPU_LEVEL(level, check)                                      \
+  namespace isa_##level {                                                \
+    size_t saved_logits_bytes(const Problem& p);                         \
+    Status forward(const Problem& p, const FwdArgs& a);                  \
+    Status combine(const CombineArgs& a);                                \
+    Status backward(const Problem& p, const BwdArgs& a);                 \
+  }                                                                      \
+  static bool runs_##level() { return check; }                           \
+  static constexpr Level kLevel_##level{#level,                          \
+                                        runs_##level,                    \
+                                        isa_##level::saved_logits_bytes, \
+                                        isa_##level::forward,            \
+                                        isa_##level::combine,            \
+                                        isa_##level::backward};
 
 // __builtin_cpu_supports checks the CPU and that the OS saves the vector registers (XCR0).
 #if RLK_CPU_NATIVE

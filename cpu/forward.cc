@@ -7,14 +7,12 @@
 namespace rlk::cpu::RLK_CPU_ISA {  // one namespace per ISA level (cpu/dispatch.h)
 namespace {
 
-
 struct FwdScratch {
   WeightTile w;
   std::vector<float> t, kt;  // logits, nucleus (FwdArgs::keep)
 };
 
-void forward_unit(const Problem& p, const FwdArgs& a, const Panels& ap, int64_t blk, int64_t c,
-                  FwdScratch& s) {
+void forward_unit(const Problem& p, const FwdArgs& a, const Panels& ap, int64_t blk, int64_t c, FwdScratch& s) {
   const int64_t r0 = blk * kBlock;
   const bool save_q = a.saved_logits && !saved_f32(p);  // the 16-bit saved record: q, tile maxima, moments
   const SavedRow row(p);

@@ -41,7 +41,6 @@
 namespace rlk::cpu::RLK_CPU_ISA {  // one namespace per ISA level (cpu/dispatch.h)
 namespace {
 
-
 constexpr int64_t kPanel = 32;           // rows per packed hidden panel
 constexpr int64_t kBlock = 2 * kPanel;   // rows per work unit
 constexpr int64_t kTileV = 64;           // vocab rows per weight tile
@@ -327,11 +326,11 @@ inline void logits_panel(const float* wf, const float* ap, int64_t h, float* t, 
     const int64_t s0 = b * kChain;
     const Pairwise plan(b, chains);
     float* p = level(plan.carries);  // the chain's sum, then its partial sum
-    outer_grid<kGroupV, kLogitVecs>(Outer<float>{wf + s0, 1, h, ap + s0 * kPanel, kPanel, std::min(kChain, h - s0), p, ldt},
-                                    kTileV, kPanel / kLanes, true);
+    outer_grid<kGroupV, kLogitVecs>(
+        Outer<float>{wf + s0, 1, h, ap + s0 * kPanel, kPanel, std::min(kChain, h - s0), p, ldt}, kTileV,
+        kPanel / kLanes, true);
     auto add = [&](int l) { tile_op(p, level(l), [](float* y, const float* x) { vstore(y, vload(x) + vload(y)); }); };
-    if (plan.merge(add, [](int) {}) && p != t)
-      tile_op(t, p, [](float* y, const float* x) { vstore(y, vload(x)); });
+    if (plan.merge(add, [](int) {}) && p != t) tile_op(t, p, [](float* y, const float* x) { vstore(y, vload(x)); });
   }
 }
 
@@ -478,7 +477,8 @@ void dlogit_row_pairs(const float* t, uint32_t* dr, int64_t ldr) {
   for (int64_t j = 0; j < kTileV; ++j)
     for (int rv = 0; rv < kRowVecs; rv += 2) {
       const float* x = t + j * kBlock + rv * kLanes;
-      const __m512i pairs = _mm512_inserti64x4(_mm512_castsi256_si512(round_bf16(vload(x))), round_bf16(vload(x + kLanes)), 1);
+      const __m512i pairs =
+          _mm512_inserti64x4(_mm512_castsi256_si512(round_bf16(vload(x))), round_bf16(vload(x + kLanes)), 1);
       _mm512_storeu_si512(dr + j * ldr + rv * kLanes / 2, pairs);
     }
 }

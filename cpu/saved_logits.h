@@ -27,7 +27,9 @@ struct SavedRow {
   explicit SavedRow(const Problem& p)
       : chunks(num_chunks(p)), tiles_per_chunk(cdiv(p.chunk, kTileV)),
         floats(chunks * kMoments + chunks * tiles_per_chunk + 1), bytes(floats * 4 + 2 * (p.v + p.v % 2)) {}
-  float* moments(void* saved, int64_t r) const { return reinterpret_cast<float*>(static_cast<char*>(saved) + r * bytes); }
+  float* moments(void* saved, int64_t r) const {
+    return reinterpret_cast<float*>(static_cast<char*>(saved) + r * bytes);
+  }
   float* tile_max(void* saved, int64_t r) const { return moments(saved, r) + chunks * kMoments; }
   float* z_target(void* saved, int64_t r) const { return tile_max(saved, r) + chunks * tiles_per_chunk; }
   uint16_t* q(void* saved, int64_t r) const {

@@ -60,7 +60,8 @@ inline fvec vfma(fvec a, fvec b, fvec c) {
 inline fvec vexp(fvec x) {
   const fvec lo = splat(-87.0f), hi = splat(88.0f);
   const fvec xc = x < lo ? lo : (x > hi ? hi : x);
-  const fvec n = __builtin_convertvector(__builtin_convertvector(xc * 1.44269504088896341f + (xc < 0 ? -0.5f : 0.5f), ivec), fvec);
+  const fvec n =
+      __builtin_convertvector(__builtin_convertvector(xc * 1.44269504088896341f + (xc < 0 ? -0.5f : 0.5f), ivec), fvec);
   const fvec r = (xc - n * 0.693359375f) - n * -2.12194440e-4f;
   fvec p = splat(1.9875691500e-4f);
   p = p * r + 1.3981999507e-3f;

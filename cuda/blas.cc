@@ -298,7 +298,8 @@ struct Call {
 // Milliseconds of two runs after a warm one, or a negative number if a run failed.
 float time_runs(const Call& call, const Algo& algo, cudaEvent_t start, cudaEvent_t stop) {
   if (call.run(algo) != 0 || cudaEventRecord(start, call.stream) != cudaSuccess || call.run(algo) != 0 ||
-      call.run(algo) != 0 || cudaEventRecord(stop, call.stream) != cudaSuccess || cudaEventSynchronize(stop) != cudaSuccess)
+      call.run(algo) != 0 || cudaEventRecord(stop, call.stream) != cudaSuccess ||
+      cudaEventSynchronize(stop) != cudaSuccess)
     return -1.f;
   float ms = 0.f;
   return cudaEventElapsedTime(&ms, start, stop) == cudaSuccess ? ms : -1.f;
@@ -373,7 +374,8 @@ Status describe(const Api& a, const Mat& A, bool ta, const Mat& B, bool tb, DTyp
   const int64_t k = ta ? A.rows : A.cols, n = tb ? B.rows : B.cols;
   const int op_x = tb ? kOpT : kOpN, op_y = ta ? kOpT : kOpN;
   if (a.desc_create(&o.desc, kComputeF32, CUDA_R_32F) != 0 ||
-      a.desc_set(o.desc, kDescTransA, &op_x, sizeof op_x) != 0 || a.desc_set(o.desc, kDescTransB, &op_y, sizeof op_y) != 0 ||
+      a.desc_set(o.desc, kDescTransA, &op_x, sizeof op_x) != 0 ||
+      a.desc_set(o.desc, kDescTransB, &op_y, sizeof op_y) != 0 ||
       a.layout_create(&o.la, cuda_type(B.dtype), tb ? k : n, tb ? n : k, B.ld) != 0 ||
       a.layout_create(&o.lb, cuda_type(A.dtype), ta ? rows : k, ta ? k : rows, A.ld) != 0 ||
       a.layout_create(&o.lc, cuda_type(c_dtype), n, rows, ldc) != 0)
@@ -394,8 +396,8 @@ Status prepare(int device) {
 
 // Row-major C[m, n] = A' B' is column-major C^T[n, m] = B'^T A'^T: cuBLASLt gets (B, A) swapped,
 // each with its own transpose flag, and the row strides as leading dimensions.
-Status gemm(cudaStream_t stream, void* workspace, const Mat& A, bool ta, const Mat& B, bool tb, void* C,
-            DType c_dtype, int64_t ldc, float beta, bool batch_rows) {
+Status gemm(cudaStream_t stream, void* workspace, const Mat& A, bool ta, const Mat& B, bool tb, void* C, DType c_dtype,
+            int64_t ldc, float beta, bool batch_rows) {
   const int64_t m = ta ? A.cols : A.rows, k = ta ? A.rows : A.cols;
   const int64_t n = tb ? B.rows : B.cols;
   if ((tb ? B.cols : B.rows) != k) return "rlk cuda backward: GEMM shapes disagree";
@@ -408,8 +410,20 @@ Status gemm(cudaStream_t stream, void* workspace, const Mat& A, bool ta, const M
   DeviceHandle* d = nullptr;
   if (Status s = handle_of(dev, &d)) return s;
   const Api& a = api();
-  const Key key{n, m, k, B.ld, A.ld, ldc, tb ? kOpT : kOpN, ta ? kOpT : kOpN, int(cuda_type(B.dtype)),
-                int(cuda_type(A.dtype)), int(cuda_type(c_dtype)), alignment(B.ptr), alignment(A.ptr), alignment(C),
+  const Key key{n,
+                m,
+                k,
+                B.ld,
+                A.ld,
+                ldc,
+                tb ? kOpT : kOpN,
+                ta ? kOpT : kOpN,
+                int(cuda_type(B.dtype)),
+                int(cuda_type(A.dtype)),
+                int(cuda_type(c_dtype)),
+                alignment(B.ptr),
+                alignment(A.ptr),
+                alignment(C),
                 beta != 0.f};
   Key pick = key;
   if (batch_rows) pick.n = kPinnedRows;  // (cuBLASLt's n: C's rows)

@@ -53,8 +53,8 @@ struct Mat {
 // bits must not depend on how many there are (blas.cc, kPinnedRows).
 // Asynchronous on `stream`; the handle of the current device is created on first use (before any
 // graph capture; see prepare()).
-Status gemm(cudaStream_t stream, void* workspace, const Mat& A, bool ta, const Mat& B, bool tb, void* C,
-            DType c_dtype, int64_t ldc, float beta, bool batch_rows);
+Status gemm(cudaStream_t stream, void* workspace, const Mat& A, bool ta, const Mat& B, bool tb, void* C, DType c_dtype,
+            int64_t ldc, float beta, bool batch_rows);
 
 // Load cuBLASLt and create device `device`'s handle now (outside any CUDA-graph capture).
 Status prepare(int device);

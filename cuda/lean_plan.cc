@@ -46,11 +46,20 @@ LeanTiles lean_tiles(const Problem& p, bool fused, size_t tiles) {
 void lean_place(const Problem& p, LeanLayout& L) {
   const LeanTiles& t = L.t;
   size_t o = 0;
-  L.off_dh = o; o += align256(size_t(L.dh_ws) * p.h * 4);
-  if (!L.fused) { L.off_z = o; o += align256(size_t(t.R) * t.P * 4); }
-  L.off_dlog = o; o += align256(size_t(t.R) * t.P * dtype_bytes(p.dtype));
-  if (L.fused) { L.off_dzz = o; o += align256(size_t(t.R) * dlogit_splits(t.P_max) * 4); }
-  L.off_dwacc = o; o += t.dwacc;
+  L.off_dh = o;
+  o += align256(size_t(L.dh_ws) * p.h * 4);
+  if (!L.fused) {
+    L.off_z = o;
+    o += align256(size_t(t.R) * t.P * 4);
+  }
+  L.off_dlog = o;
+  o += align256(size_t(t.R) * t.P * dtype_bytes(p.dtype));
+  if (L.fused) {
+    L.off_dzz = o;
+    o += align256(size_t(t.R) * dlogit_splits(t.P_max) * 4);
+  }
+  L.off_dwacc = o;
+  o += t.dwacc;
   L.total = blas::kWorkspaceAlloc + 256 /*tile base alignment*/ + o;
 }
 

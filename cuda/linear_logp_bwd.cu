@@ -45,12 +45,14 @@ constexpr int kVec = 8;           // columns per thread step (16-byte loads of 2
 
 // ---- dlogit -----------------------------------------------------------------------------------
 struct DlogitParams {
-  const void* z;  int64_t ldz;  // [rows, cols] ZT: saved z or q, or (raw) h.W still without bias and 1/T
+  const void* z;
+  int64_t ldz;  // [rows, cols] ZT: saved z or q, or (raw) h.W still without bias and 1/T
   bool raw;
   const float* head;            // the saved record's head [rows, saved.floats] when z holds q, else null
   SavedLayout saved;
   int64_t chunk;
-  void* dlog;     int64_t ldd;  // [rows, cols] dtype; fast: the same memory as z
+  void* dlog;
+  int64_t ldd;  // [rows, cols] dtype; fast: the same memory as z
   int64_t cols;
   int64_t col0;                 // global id of column 0
   int64_t real_vocab, ignore_index;
@@ -74,7 +76,14 @@ template <typename T> __device__ __forceinline__ void load_vec(const T* p, float
     for (int q = 0; q < kVec; ++q) x[q] = to_f(v[q]);
   } else {
     const float4 a = reinterpret_cast<const float4*>(p)[0], b = reinterpret_cast<const float4*>(p)[1];
-    x[0] = a.x; x[1] = a.y; x[2] = a.z; x[3] = a.w; x[4] = b.x; x[5] = b.y; x[6] = b.z; x[7] = b.w;
+    x[0] = a.x;
+    x[1] = a.y;
+    x[2] = a.z;
+    x[3] = a.w;
+    x[4] = b.x;
+    x[5] = b.y;
+    x[6] = b.z;
+    x[7] = b.w;
   }
 }
 template <typename T> __device__ __forceinline__ void store_vec(T* p, const float* x) {
@@ -138,7 +147,7 @@ __device__ __forceinline__ void vector_scales(const DlogitParams& q, const float
     const bool next = pos.off + k >= q.chunk;
     const int64_t c = pos.c + (next ? 1 : 0), off = pos.off + k - (next ? q.chunk : 0);
     gs[k] = c < q.saved.chunks ? group_scale(gmax, q.saved.group_at(c, off), m, log_s, log_s_keep)
-                              : GroupScale{0.f, 0.f, 0.f};
+                               : GroupScale{0.f, 0.f, 0.f};
   }
 }
 
@@ -147,11 +156,12 @@ __device__ __forceinline__ void vector_scales(const DlogitParams& q, const float
 // dz_j, which is 0 over the shards unless the target is outside the nucleus: then -g, added by the
 // target's shard.
 __device__ float saved_dzz(const DlogitParams& q, const float* head, const uint8_t* keep, int64_t t, float m,
-                          float log_s, float log_s_keep, float ent, float g, float e, int64_t live_cols) {
+                           float log_s, float log_s_keep, float ent, float g, float e, int64_t live_cols) {
   float acc = 0.f;
   for (int64_t c = 0; c < q.saved.chunks; ++c) {
     const float* mom = head + q.saved.moments_at(c);
-    acc += keep ? kept_moments_dzz(mom, m, log_s, log_s_keep, log_s - ent, g, e) : moments_dzz(mom, m, log_s, log_s - ent, g, e);
+    acc += keep ? kept_moments_dzz(mom, m, log_s, log_s_keep, log_s - ent, g, e)
+                : moments_dzz(mom, m, log_s, log_s - ent, g, e);
   }
   const int64_t tl = t - q.col0;
   if (tl >= 0 && tl < live_cols) acc += !keep || keep[tl] ? g * (head[q.saved.z_target_at()] - m) : -g * m;
@@ -309,10 +319,15 @@ Status backward_fast(const Problem& p, const BwdArgs& a, Workspace ws, cudaStrea
   using ZT = std::conditional_t<sizeof(T) == 4, float, __half>;  // z, or q
   const SavedRows kr = saved_rows(p, a.saved_logits);
   DlogitParams q = row_params(p, a, 0);
-  q.z = kr.z; q.ldz = p.v;
-  q.dlog = kr.z; q.ldd = p.v;
-  q.head = kr.head; q.saved = SavedLayout(p); q.chunk = p.chunk;
-  q.cols = p.v; q.col0 = p.vocab_start;
+  q.z = kr.z;
+  q.ldz = p.v;
+  q.dlog = kr.z;
+  q.ldd = p.v;
+  q.head = kr.head;
+  q.saved = SavedLayout(p);
+  q.chunk = p.chunk;
+  q.cols = p.v;
+  q.col0 = p.vocab_start;
   q.dtemp_last = true;
   if (Status s = launch_dlogit<ZT, T>(q, p.n, st)) return s;
   if (p.has_bias && a.dbias)
@@ -361,13 +376,23 @@ Status lean_tile(const Problem& p, const BwdArgs& a, const LeanLayout& L, const 
   if (L.fused) {
 #if RLK_HAVE_SM90
     Problem q = p;  // the piece as a problem of its own: one chunk, whose splits fix dzz's order
-    q.v = pc.cols; q.chunk = pc.cols; q.vocab_start = p.vocab_start + pc.c; q.n = rn;
+    q.v = pc.cols;
+    q.chunk = pc.cols;
+    q.vocab_start = p.vocab_start + pc.c;
+    q.n = rn;
     BwdArgs b = a;
     b.hidden = static_cast<const unsigned char*>(a.hidden) + r0 * p.h * eb;
     b.weight = static_cast<const unsigned char*>(a.weight) + pc.c * p.h * eb;
     b.bias = p.has_bias ? a.bias + pc.c : nullptr;
-    b.targets = a.targets + r0; b.temperature = a.temperature + r0; b.m = a.m + r0; b.log_s = a.log_s + r0; b.g = a.g + r0;
-    if (p.with_entropy && a.e) { b.entropy = a.entropy + r0; b.e = a.e + r0; }
+    b.targets = a.targets + r0;
+    b.temperature = a.temperature + r0;
+    b.m = a.m + r0;
+    b.log_s = a.log_s + r0;
+    b.g = a.g + r0;
+    if (p.with_entropy && a.e) {
+      b.entropy = a.entropy + r0;
+      b.e = a.e + r0;
+    }
     float* dzz = a.dtemp && !dh_only ? t.dzz : nullptr;
     if (Status s = detail::sm90_dlogit(q, b, rn, t.dlog, pc.w, dzz, st)) return s;
     if (dzz) {
@@ -384,9 +409,12 @@ Status lean_tile(const Problem& p, const BwdArgs& a, const LeanLayout& L, const 
     // z[rn, cols] = H[pass] W[piece]^T   (fp32; bias and 1/T are applied by dlogit_kernel)
     if (Status s = blas::gemm(st, ws, Hp, false, Wp, true, t.z, DType::kF32, pc.w, 0.f, /*batch_rows=*/false)) return s;
     DlogitParams q = row_params(p, a, r0);
-    q.z = t.z; q.ldz = pc.w;
-    q.dlog = t.dlog; q.ldd = pc.w;
-    q.cols = pc.cols; q.col0 = p.vocab_start + pc.c;
+    q.z = t.z;
+    q.ldz = pc.w;
+    q.dlog = t.dlog;
+    q.ldd = pc.w;
+    q.cols = pc.cols;
+    q.col0 = p.vocab_start + pc.c;
     q.raw = true;
     q.bias = p.has_bias ? a.bias + pc.c : nullptr;
     if (q.keep) q.keep += pc.c;
@@ -409,15 +437,16 @@ Status dh_accumulate(const Problem& p, const BwdArgs& a, const LeanLayout& L, co
   // rows [lo, hi) into the fp32 matrix acc, whose row 0 is row `first`
   auto rows = [&](int64_t lo, int64_t hi, float* acc, int64_t first) -> Status {
     if (hi <= lo) return nullptr;
-    const blas::Mat Dr{static_cast<const unsigned char*>(D.ptr) + (lo - r0) * D.ld * eb, D.dtype, hi - lo, D.cols, D.ld};
+    const blas::Mat Dr{static_cast<const unsigned char*>(D.ptr) + (lo - r0) * D.ld * eb, D.dtype, hi - lo, D.cols,
+                       D.ld};
     return blas::gemm(st, ws, Dr, false, Wp, false, acc + (lo - first) * p.h, DType::kF32, p.h, beta,
                       /*batch_rows=*/false);  // (its pieces follow n: lean's dH is not batch invariant)
   };
   const int64_t lo = std::max(r0, sw.r0), hi = std::min(r0 + rn, sw.r1);
   if (hi <= lo) return nullptr;  // a pass of the first sweep past its dH rows
   const int64_t split = std::clamp(sw.r0 + sw.in, lo, hi);
-  float* in_dh = reinterpret_cast<float*>(static_cast<unsigned char*>(a.dhidden) +
-                                          sw.r0 * p.h * dtype_bytes(a.dhidden_dtype));
+  float* in_dh =
+      reinterpret_cast<float*>(static_cast<unsigned char*>(a.dhidden) + sw.r0 * p.h * dtype_bytes(a.dhidden_dtype));
   if (Status s = rows(lo, split, in_dh, sw.r0)) return s;
   return rows(split, hi, reinterpret_cast<float*>(base + L.off_dh), sw.r0 + sw.in);
 }
@@ -437,7 +466,8 @@ Status finish_dhidden(const Problem& p, const BwdArgs& a, const LeanLayout& L, c
     const int64_t rows = sw.in - r0 < chunk ? sw.in - r0 : chunk;
     to_dtype_kernel<T><<<blocks_of(rows * p.h, 256), 256, 0, st>>>(acc + r0 * p.h, tmp, rows * p.h);
     RLK_CHECK_LAUNCH("rlk cuda: dH conversion launch failed");
-    if (cudaMemcpyAsync(out + r0 * p.h, tmp, size_t(rows) * p.h * sizeof(T), cudaMemcpyDeviceToDevice, st) != cudaSuccess)
+    if (cudaMemcpyAsync(out + r0 * p.h, tmp, size_t(rows) * p.h * sizeof(T), cudaMemcpyDeviceToDevice, st) !=
+        cudaSuccess)
       return "rlk cuda: dH copy failed";
   }
   const int64_t rest = (sw.r1 - sw.r0 - sw.in) * p.h;
@@ -468,7 +498,10 @@ Status lean_sweep(const Problem& p, const BwdArgs& a, const LeanLayout& first, c
     LeanTile t{reinterpret_cast<float*>(base + L.off_z), base + L.off_dlog, reinterpret_cast<float*>(base + L.off_dzz)};
     if (pc.borrowed) {
       unsigned char* b = align256(dw + (pc.c + pc.w) * p.h * eb);
-      if (!L.fused) { t.z = reinterpret_cast<float*>(b); b += size_t(R) * pc.w * 4; }
+      if (!L.fused) {
+        t.z = reinterpret_cast<float*>(b);
+        b += size_t(R) * pc.w * 4;
+      }
       t.dlog = b;
     }
     const blas::Mat Wp{wgt + pc.c * p.h * eb, p.dtype, pc.cols, p.h, p.h};

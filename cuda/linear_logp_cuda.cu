@@ -17,7 +17,6 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
-
 #include "lp_gemm_portable.cuh"
 #include "lp_internal.h"
 
@@ -25,9 +24,9 @@ namespace rlk::cuda {
 namespace detail {
 namespace {
 
-#define RLK_CHECK_LAUNCH(msg)                              \
-  do {                                                     \
-    if (cudaGetLastError() != cudaSuccess) return msg;     \
+#define RLK_CHECK_LAUNCH(msg)                          \
+  do {                                                 \
+    if (cudaGetLastError() != cudaSuccess) return msg; \
   } while (0)
 
 // ---- small helpers ----------------------------------------------------------------------------
@@ -63,10 +62,11 @@ struct Nucleus {
 // Epilogue thread map (also used by the backward): warp w owns tile rows w*16 .. w*16+15; lane l
 // owns columns l*4 .. l*4+3 of each. Every row sees the identical reduction tree.
 template <typename T>
-__global__ void __launch_bounds__(kThreads) fwd_split_kernel(
-    const T* __restrict__ hidden, const T* __restrict__ weight, const float* __restrict__ bias,
-    const float* __restrict__ temperature, float* __restrict__ part, SavedOut<T> saved, Nucleus nuc, int64_t rows,
-    int64_t h, int64_t chunk, int64_t spc, int64_t nsplit, int64_t vocab_start, int64_t real_vocab, int64_t v) {
+__global__ void __launch_bounds__(kThreads)
+    fwd_split_kernel(const T* __restrict__ hidden, const T* __restrict__ weight, const float* __restrict__ bias,
+                     const float* __restrict__ temperature, float* __restrict__ part, SavedOut<T> saved, Nucleus nuc,
+                     int64_t rows, int64_t h, int64_t chunk, int64_t spc, int64_t nsplit, int64_t vocab_start,
+                     int64_t real_vocab, int64_t v) {
   constexpr bool kQ = sizeof(T) == 2;  // the saved record holds q, the group maxima and b
   extern __shared__ __align__(128) unsigned char smem[];
   float* Cs = reinterpret_cast<float*>(smem);
@@ -82,7 +82,12 @@ __global__ void __launch_bounds__(kThreads) fwd_split_kernel(
   float itemp[16];
 #pragma unroll
   for (int rr = 0; rr < 16; ++rr) {
-    rm[rr] = -INFINITY; rs[rr] = 0.f; ra[rr] = 0.f; rb[rr] = 0.f; rsk[rr] = 0.f; rak[rr] = 0.f;
+    rm[rr] = -INFINITY;
+    rs[rr] = 0.f;
+    ra[rr] = 0.f;
+    rb[rr] = 0.f;
+    rsk[rr] = 0.f;
+    rak[rr] = 0.f;
     const int64_t row = r0 + warp * 16 + rr;
     itemp[rr] = row < rows ? reciprocal(temperature[row]) : 1.f;
   }
@@ -124,7 +129,10 @@ __global__ void __launch_bounds__(kThreads) fwd_split_kernel(
             s += ex[e];
             a = fmaf(ex[e], d, a);  // explicit: b's products must not change a's rounding
             if (kQ && save) b = fmaf(ex[e] * d, d, b);
-            if (in_k[e]) { sk += ex[e]; ak = fmaf(ex[e], d, ak); }
+            if (in_k[e]) {
+              sk += ex[e];
+              ak = fmaf(ex[e], d, ak);
+            }
           }
         }
       }
@@ -149,10 +157,14 @@ __global__ void __launch_bounds__(kThreads) fwd_split_kernel(
       const int64_t row = r0 + warp * 16 + rr;
       if (row < rows) {
         float* o = part + (row * nsplit + gs) * kPartWidth;
-        o[0] = rm[rr]; o[1] = rs[rr]; o[2] = ra[rr]; o[3] = rb[rr];
+        o[0] = rm[rr];
+        o[1] = rs[rr];
+        o[2] = ra[rr];
+        o[3] = rb[rr];
         if (nuc.keep) {
           float* k = nuc.kpart + (row * nsplit + gs) * kKeepPartWidth;
-          k[0] = rsk[rr]; k[1] = rak[rr];
+          k[0] = rsk[rr];
+          k[1] = rak[rr];
         }
       }
     }
@@ -177,11 +189,18 @@ __global__ void finalize_kernel(const float* __restrict__ part, const float* __r
     moments_merge(p[0], p[1], p[2], p[3], m, s, a, b);
   }
   float* o = stats + idx * kStatWidth;
-  o[0] = m; o[1] = s; o[2] = a;
+  o[0] = m;
+  o[1] = s;
+  o[2] = a;
   if (kpart) keep_sum[idx] = sk;
   if (head) {
     float* mom = head + row * layout.floats + layout.moments_at(c);
-    mom[0] = m; mom[1] = s; mom[2] = a; mom[3] = b; mom[4] = sk; mom[5] = ak;
+    mom[0] = m;
+    mom[1] = s;
+    mom[2] = a;
+    mom[3] = b;
+    mom[4] = sk;
+    mom[5] = ak;
   }
 }
 
@@ -213,9 +232,9 @@ template <typename T>
 __global__ void target_logit_kernel(const T* __restrict__ hidden, const T* __restrict__ weight,
                                     const float* __restrict__ bias, const int32_t* __restrict__ targets,
                                     const float* __restrict__ temperature, const uint8_t* __restrict__ keep,
-                                    float* __restrict__ out, float* __restrict__ head,
-                                    SavedLayout layout, int64_t n, int64_t h, int64_t v, int64_t vocab_start,
-                                    int64_t real_vocab, int64_t ignore_index) {
+                                    float* __restrict__ out, float* __restrict__ head, SavedLayout layout, int64_t n,
+                                    int64_t h, int64_t v, int64_t vocab_start, int64_t real_vocab,
+                                    int64_t ignore_index) {
   const int64_t row = int64_t(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   if (row >= n) return;
@@ -243,7 +262,8 @@ __global__ void target_logit_kernel(const T* __restrict__ hidden, const T* __res
   if (lane != 0) return;
   out[row] = zt;
   if (head)
-    for (int64_t i = layout.z_target_at(); i < layout.floats; ++i) head[row * layout.floats + i] = i == layout.z_target_at() ? zt : 0.f;
+    for (int64_t i = layout.z_target_at(); i < layout.floats; ++i)
+      head[row * layout.floats + i] = i == layout.z_target_at() ? zt : 0.f;
 }
 
 __global__ void combine_kernel(CombineArgs a) {
@@ -256,16 +276,16 @@ template <typename K> cudaError_t set_smem(K kernel, size_t bytes) {
 }
 
 template <typename T>
-Status forward_portable_partials(const Problem& p, const T* hidden, int64_t rows, const T* weight,
-                                 const float* bias, const float* temperature, float* part, SavedOut<T> saved,
-                                 Nucleus nuc, cudaStream_t st) {
+Status forward_portable_partials(const Problem& p, const T* hidden, int64_t rows, const T* weight, const float* bias,
+                                 const float* temperature, float* part, SavedOut<T> saved, Nucleus nuc,
+                                 cudaStream_t st) {
   constexpr size_t smem = GemmSmem<T>::BYTES;
   // Set on every call (cheap, host-only, legal under stream capture): the attribute is per device.
   if (set_smem(fwd_split_kernel<T>, smem) != cudaSuccess) return "rlk cuda: cudaFuncSetAttribute failed (forward)";
   const dim3 grid(unsigned((rows + kBM - 1) / kBM), unsigned(total_splits(p)));
-  fwd_split_kernel<T><<<grid, kThreads, smem, st>>>(hidden, weight, bias, temperature, part, saved, nuc, rows, p.h, p.chunk,
-                                                    splits_per_chunk(p.chunk), total_splits(p),
-                                                    p.vocab_start, p.real_vocab, p.v);
+  fwd_split_kernel<T><<<grid, kThreads, smem, st>>>(hidden, weight, bias, temperature, part, saved, nuc, rows, p.h,
+                                                    p.chunk, splits_per_chunk(p.chunk), total_splits(p), p.vocab_start,
+                                                    p.real_vocab, p.v);
   RLK_CHECK_LAUNCH("rlk cuda: forward kernel launch failed");
   return nullptr;
 }
@@ -309,14 +329,14 @@ Status forward_t(const Problem& p, const FwdArgs& a, Workspace ws, cudaStream_t 
     }
     if (s) return s;
     const int64_t tot = rows * K;
-    finalize_kernel<<<unsigned((tot + 255) / 256), 256, 0, st>>>(
-        part, nuc.kpart, a.stats + r0 * K * kStatWidth, a.keep ? a.keep_sum + r0 * K : nullptr, saved.head, layout, rows,
-        K, splits_per_chunk(p.chunk));
+    finalize_kernel<<<unsigned((tot + 255) / 256), 256, 0, st>>>(part, nuc.kpart, a.stats + r0 * K * kStatWidth,
+                                                                 a.keep ? a.keep_sum + r0 * K : nullptr, saved.head,
+                                                                 layout, rows, K, splits_per_chunk(p.chunk));
     RLK_CHECK_LAUNCH("rlk cuda: finalize kernel launch failed");
   }
-  target_logit_kernel<T><<<unsigned((p.n + 7) / 8), 256, 0, st>>>(H, W, B, a.targets, a.temperature, a.keep, a.target_logit,
-                                                                   kr.head, layout, p.n, p.h, p.v, p.vocab_start,
-                                                                   p.real_vocab, p.ignore_index);
+  target_logit_kernel<T><<<unsigned((p.n + 7) / 8), 256, 0, st>>>(H, W, B, a.targets, a.temperature, a.keep,
+                                                                  a.target_logit, kr.head, layout, p.n, p.h, p.v,
+                                                                  p.vocab_start, p.real_vocab, p.ignore_index);
   RLK_CHECK_LAUNCH("rlk cuda: target logit kernel launch failed");
   return nullptr;
 }

@@ -51,7 +51,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     sm90_forward_kernel(const __grid_constant__ CUtensorMap tmA, const __grid_constant__ CUtensorMap tmB,
                         const __grid_constant__ CUtensorMap tmO, const Params P, const GradArg<kEpi> G) {
   extern __shared__ __align__(1024) unsigned char smem_raw[];
-  unsigned char* smem = reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  unsigned char* smem =
+      reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   const uint32_t sbase = smem_u32(smem);
   const uint32_t staging = sbase + kStages * kStageBytes;  // 1024-aligned, as the swizzle needs
   const uint32_t bar_full = staging + kStagingBytes;  // kStages x 8 bytes
@@ -89,8 +90,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       const int64_t t0 = u.col0 + int64_t(t) * kBN;
       if (t0 + kBN <= u.col_end && P.vocab_start + t0 + kBN <= P.real_vocab)
         epilogue<kBf16, kEpi, false>(d, t, t0, u.col_end, P, G, itA, itB, &tmO, buf, cw, row0, st);
-      else
-        epilogue<kBf16, kEpi, true>(d, t, t0, u.col_end, P, G, itA, itB, &tmO, buf, cw, row0, st);
+      else epilogue<kBf16, kEpi, true>(d, t, t0, u.col_end, P, G, itA, itB, &tmO, buf, cw, row0, st);
     });
     store_partials(st, P, lane, rowA, rowB, u.cu);
   }
@@ -150,13 +150,21 @@ const char* setup(const Problem& p, const void* hidden, int64_t rows, const void
                   const float* temperature, int64_t split_cols, CUtensorMap* ma, CUtensorMap* mb, Params* P) {
   if ((reinterpret_cast<uintptr_t>(hidden) | reinterpret_cast<uintptr_t>(weight)) & 15) return kSm90Misaligned;
   if (const char* e = ensure_encode()) return e;
-  if (!make_map(ma, map_type(p), hidden, p.h, rows, p.h, kBK, kBM) || !make_map(mb, map_type(p), weight, p.h, p.v, p.h, kBK, kBN))
+  if (!make_map(ma, map_type(p), hidden, p.h, rows, p.h, kBK, kBM) ||
+      !make_map(mb, map_type(p), weight, p.h, p.v, p.h, kBK, kBN))
     return "rlk cuda: tensor map encoding failed";
   *P = Params{};
-  P->rows = rows; P->chunk = p.chunk; P->split_cols = split_cols;
-  P->spc = splits_per_chunk(p.chunk, split_cols); P->nsplit = num_chunks(p) * P->spc;
-  P->vocab_start = p.vocab_start; P->real_vocab = p.real_vocab; P->row_tiles = (rows + kBM - 1) / kBM;
-  P->kblocks = int32_t(p.h / kBK); P->bias = p.has_bias ? bias : nullptr; P->temperature = temperature;
+  P->rows = rows;
+  P->chunk = p.chunk;
+  P->split_cols = split_cols;
+  P->spc = splits_per_chunk(p.chunk, split_cols);
+  P->nsplit = num_chunks(p) * P->spc;
+  P->vocab_start = p.vocab_start;
+  P->real_vocab = p.real_vocab;
+  P->row_tiles = (rows + kBM - 1) / kBM;
+  P->kblocks = int32_t(p.h / kBK);
+  P->bias = p.has_bias ? bias : nullptr;
+  P->temperature = temperature;
   return nullptr;
 }
 
@@ -164,7 +172,9 @@ const char* setup(const Problem& p, const void* hidden, int64_t rows, const void
 // 16-byte aligned and every tile starts on a 16-byte boundary (chunk-relative tile starts: chunk %
 // 8 == 0), else by plain stores.
 void set_out(Params* P, CUtensorMap* mo, CUtensorMapDataType type, void* out, int64_t cols, int64_t ld, int64_t chunk) {
-  P->out = static_cast<uint16_t*>(out); P->ldo = ld; P->cols = cols;
+  P->out = static_cast<uint16_t*>(out);
+  P->ldo = ld;
+  P->cols = cols;
   P->out_tma = chunk % 8 == 0 && ld % 8 == 0 && (reinterpret_cast<uintptr_t>(out) & 15) == 0 &&
                make_map(mo, type, out, cols, P->rows, ld, kBoxCols, 64);
 }
@@ -188,7 +198,8 @@ const char* sm90_dlogit(const Problem& p, const BwdArgs& a, int64_t rows, void* 
                         cudaStream_t stream) {
   CUtensorMap ma, mb, mo{};
   Params P;
-  if (const char* e = setup(p, a.hidden, rows, a.weight, a.bias, a.temperature, kDlogitSplitCols, &ma, &mb, &P)) return e;
+  if (const char* e = setup(p, a.hidden, rows, a.weight, a.bias, a.temperature, kDlogitSplitCols, &ma, &mb, &P))
+    return e;
   P.part = dzz;
   set_out(&P, &mo, map_type(p), dlog, p.v, ldd, p.chunk);
   return launch<Epi::kDlogit>(p.dtype == DType::kBF16, ma, mb, mo, P, grad_rows(p, a), P.row_tiles * P.nsplit, stream);

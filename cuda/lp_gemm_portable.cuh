@@ -22,8 +22,12 @@
 
 namespace rlk::cuda::detail {
 
-template <typename T> struct Storage { using type = uint16_t; };
-template <> struct Storage<float> { using type = float; };
+template <typename T> struct Storage {
+  using type = uint16_t;
+};
+template <> struct Storage<float> {
+  using type = float;
+};
 
 __device__ __forceinline__ float to_f(float x) { return x; }
 __device__ __forceinline__ float to_f(__half x) { return __half2float(x); }
@@ -60,16 +64,14 @@ __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool pr
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(sz));
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N> __device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
-}
+template <int N> __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
 
 // Load one [OUTER x INNER] tile (INNER contiguous in global and in shared memory) whose origin is
 // `g` (global, already offset), with `outer_lim`/`inner_lim` valid extents, into smem `s` (row
 // stride INNER + PAD). vec_ok: the 16-byte path is legal (ld and base aligned).
 template <typename T, int OUTER, int INNER>
-__device__ __forceinline__ void load_tile(T* s, const T* g, int64_t ld, int64_t outer_lim,
-                                          int64_t inner_lim, bool vec_ok) {
+__device__ __forceinline__ void load_tile(T* s, const T* g, int64_t ld, int64_t outer_lim, int64_t inner_lim,
+                                          bool vec_ok) {
   using Cfg = TileCfg<T>;
   using S = typename Storage<T>::type;
   constexpr int VPR = INNER / Cfg::VEC;  // vectors per row
@@ -97,8 +99,8 @@ __device__ __forceinline__ void load_tile(T* s, const T* g, int64_t ld, int64_t 
 // C tile (128x128 fp32, into Cs) = sum over k in [0, K) of A(m,k) B(k,n).
 //   A: origin at (m0, 0); m_lim valid rows. B: origin at (0, n0); n_lim valid columns.
 template <typename T>
-__device__ void gemm_tile(const T* __restrict__ A, int64_t lda, int64_t m_lim, const T* __restrict__ B,
-                          int64_t ldb, int64_t n_lim, int64_t K, unsigned char* smem, float* Cs) {
+__device__ void gemm_tile(const T* __restrict__ A, int64_t lda, int64_t m_lim, const T* __restrict__ B, int64_t ldb,
+                          int64_t n_lim, int64_t K, unsigned char* smem, float* Cs) {
   using Cfg = TileCfg<T>;
   using SM = GemmSmem<T>;
   constexpr int BK = Cfg::BK;

@@ -100,13 +100,13 @@ auto binding() {
 }  // namespace rlk::ffi_handlers
 
 // The three targets of a platform: Rlk{Forward,Combine,Backward}<Platform>, over executor Exec.
-#define RLK_FFI_TARGET(symbol, IO, Exec, ...)                                                            \
-  extern "C" XLA_FFI_Error* symbol(XLA_FFI_CallFrame* frame) {                                         \
-    static auto* handler =                                                                             \
+#define RLK_FFI_TARGET(symbol, IO, Exec, ...)                                                                \
+  extern "C" XLA_FFI_Error* symbol(XLA_FFI_CallFrame* frame) {                                               \
+    static auto* handler =                                                                                   \
         rlk::ffi_handlers::binding<Exec>().To(rlk::ffi_handlers::handle<IO, Exec>, {__VA_ARGS__}).release(); \
-    return handler->Call(frame);                                                                       \
+    return handler->Call(frame);                                                                             \
   }
-#define RLK_FFI_TARGETS(Platform, Exec, ...)                                     \
-  RLK_FFI_TARGET(RlkForward##Platform, rlk::io::ForwardIO, Exec, __VA_ARGS__)    \
-  RLK_FFI_TARGET(RlkCombine##Platform, rlk::io::CombineIO, Exec, __VA_ARGS__)    \
+#define RLK_FFI_TARGETS(Platform, Exec, ...)                                  \
+  RLK_FFI_TARGET(RlkForward##Platform, rlk::io::ForwardIO, Exec, __VA_ARGS__) \
+  RLK_FFI_TARGET(RlkCombine##Platform, rlk::io::CombineIO, Exec, __VA_ARGS__) \
   RLK_FFI_TARGET(RlkBackward##Platform, rlk::io::BackwardIO, Exec, __VA_ARGS__)

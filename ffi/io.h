@@ -82,7 +82,7 @@ enum Flag : unsigned { kIn = 1, kOut = 2, kFfi = 4, kDl = 8, kBoth = kFfi | kDl,
 template <class IO>
 struct Field {
   const char* name;
-  Buf IO::*member;
+  Buf IO::* member;
   unsigned flags;
   int core_rank;
 };
@@ -131,16 +131,20 @@ constexpr std::array<T, A + B> cat(const std::array<T, A>& a, const std::array<T
 // The Operands' fields, first in forward's and backward's tables.
 template <class IO>
 constexpr std::array<Field<IO>, 5> operand_fields() {
-  return {{{"hidden", &IO::hidden, kIn | kBoth, 2}, {"weight", &IO::weight, kIn | kBoth, 2},
-           {"bias", &IO::bias, kIn | kBoth, 1}, {"targets", &IO::targets, kIn | kBoth, 1},
+  return {{{"hidden", &IO::hidden, kIn | kBoth, 2},
+           {"weight", &IO::weight, kIn | kBoth, 2},
+           {"bias", &IO::bias, kIn | kBoth, 1},
+           {"targets", &IO::targets, kIn | kBoth, 1},
            {"temperature", &IO::temperature, kIn | kBoth, 1}}};
 }
 
 // The CombineOut's fields, passed by `where` (log_s_keep optional).
 template <class IO>
 constexpr std::array<Field<IO>, 5> combine_out_fields(unsigned where) {
-  return {{{"logp", &IO::logp, kOut | where, 1}, {"entropy", &IO::entropy, kOut | where, 1},
-           {"m", &IO::m, kOut | where, 1}, {"log_s", &IO::log_s, kOut | where, 1},
+  return {{{"logp", &IO::logp, kOut | where, 1},
+           {"entropy", &IO::entropy, kOut | where, 1},
+           {"m", &IO::m, kOut | where, 1},
+           {"log_s", &IO::log_s, kOut | where, 1},
            {"log_s_keep", &IO::log_s_keep, kOut | where | kOpt, 1}}};
 }
 
@@ -150,19 +154,22 @@ constexpr auto fields();
 template <>
 constexpr auto fields<ForwardIO>() {
   using IO = ForwardIO;
-  constexpr std::array<Field<IO>, 6> own{{
-      {"keep", &IO::keep, kIn | kBoth | kOpt, 2}, {"stats", &IO::stats, kOut | kBoth, 3},
-      {"target_logit", &IO::target_logit, kOut | kBoth, 1}, {"saved_logits", &IO::saved_logits, kOut | kBoth, 1},
-      {"keep_sum", &IO::keep_sum, kOut | kBoth | kOpt, 2}, {"workspace", &IO::workspace, kOut | kBoth, 1}}};
+  constexpr std::array<Field<IO>, 6> own{{{"keep", &IO::keep, kIn | kBoth | kOpt, 2},
+                                          {"stats", &IO::stats, kOut | kBoth, 3},
+                                          {"target_logit", &IO::target_logit, kOut | kBoth, 1},
+                                          {"saved_logits", &IO::saved_logits, kOut | kBoth, 1},
+                                          {"keep_sum", &IO::keep_sum, kOut | kBoth | kOpt, 2},
+                                          {"workspace", &IO::workspace, kOut | kBoth, 1}}};
   return cat(cat(operand_fields<IO>(), own), combine_out_fields<IO>(kDl));
 }
 
 template <>
 constexpr auto fields<CombineIO>() {
   using IO = CombineIO;
-  constexpr std::array<Field<IO>, 4> in{{
-      {"stats", &IO::stats, kIn | kBoth, 3}, {"target_logit", &IO::target_logit, kIn | kBoth, 1},
-      {"targets", &IO::targets, kIn | kBoth, 1}, {"keep_sum", &IO::keep_sum, kIn | kBoth | kOpt, 2}}};
+  constexpr std::array<Field<IO>, 4> in{{{"stats", &IO::stats, kIn | kBoth, 3},
+                                         {"target_logit", &IO::target_logit, kIn | kBoth, 1},
+                                         {"targets", &IO::targets, kIn | kBoth, 1},
+                                         {"keep_sum", &IO::keep_sum, kIn | kBoth | kOpt, 2}}};
   constexpr std::array<Field<IO>, 1> ws{{{"workspace", &IO::workspace, kOut | kFfi, 1}}};
   return cat(cat(in, combine_out_fields<IO>(kBoth)), ws);
 }
@@ -170,13 +177,20 @@ constexpr auto fields<CombineIO>() {
 template <>
 constexpr auto fields<BackwardIO>() {
   using IO = BackwardIO;
-  constexpr std::array<Field<IO>, 14> own{{
-      {"m", &IO::m, kIn | kBoth, 1}, {"log_s", &IO::log_s, kIn | kBoth, 1}, {"entropy", &IO::entropy, kIn | kBoth, 1},
-      {"g", &IO::g, kIn | kBoth, 1}, {"e", &IO::e, kIn | kBoth, 1}, {"keep", &IO::keep, kIn | kBoth | kOpt, 2},
-      {"log_s_keep", &IO::log_s_keep, kIn | kBoth | kOpt, 1}, {"saved_logits", &IO::saved_logits, kIn | kBoth, 1},
-      {"dhidden", &IO::dhidden, kOut | kBoth, 2}, {"dweight", &IO::dweight, kOut | kBoth, 2},
-      {"dbias", &IO::dbias, kOut | kBoth, 1}, {"dtemp", &IO::dtemp, kOut | kBoth, 1},
-      {"saved_logits", &IO::saved_logits, kOut | kFfi, 1}, {"workspace", &IO::workspace, kOut | kBoth, 1}}};
+  constexpr std::array<Field<IO>, 14> own{{{"m", &IO::m, kIn | kBoth, 1},
+                                           {"log_s", &IO::log_s, kIn | kBoth, 1},
+                                           {"entropy", &IO::entropy, kIn | kBoth, 1},
+                                           {"g", &IO::g, kIn | kBoth, 1},
+                                           {"e", &IO::e, kIn | kBoth, 1},
+                                           {"keep", &IO::keep, kIn | kBoth | kOpt, 2},
+                                           {"log_s_keep", &IO::log_s_keep, kIn | kBoth | kOpt, 1},
+                                           {"saved_logits", &IO::saved_logits, kIn | kBoth, 1},
+                                           {"dhidden", &IO::dhidden, kOut | kBoth, 2},
+                                           {"dweight", &IO::dweight, kOut | kBoth, 2},
+                                           {"dbias", &IO::dbias, kOut | kBoth, 1},
+                                           {"dtemp", &IO::dtemp, kOut | kBoth, 1},
+                                           {"saved_logits", &IO::saved_logits, kOut | kFfi, 1},
+                                           {"workspace", &IO::workspace, kOut | kBoth, 1}}};
   return cat(operand_fields<IO>(), own);
 }
 
@@ -291,14 +305,16 @@ inline void check_saved(Rules& r, const Buf& b, size_t saved_logits_bytes) {
 }
 
 inline void check_combine_out(Rules& r, const CombineOut& io, int64_t n) {
-  for (const auto& [name, b] : {std::pair<const char*, const Buf*>{"logp", &io.logp}, {"entropy", &io.entropy},
-                                {"m", &io.m}, {"log_s", &io.log_s}})
+  for (const auto& [name, b] : {std::pair<const char*, const Buf*>{"logp", &io.logp},
+                                {"entropy", &io.entropy},
+                                {"m", &io.m},
+                                {"log_s", &io.log_s}})
     r.need(name, *b, Elem::kF32, {n}, true);
   r.maybe("log_s_keep", io.log_s_keep, Elem::kF32, {n}, true);
 }
 
 inline void check(Rules& r, const ForwardIO& io, const Attrs& at, size_t (*saved_logits_bytes)(const Problem&),
-                          Problem* p) {
+                  Problem* p) {
   check_problem(r, io, at, p);
   if (r.fail) return;
   const int64_t n = p->n, k = num_chunks(*p);
@@ -331,7 +347,7 @@ inline void check_combine(Rules& r, const CombineIO& io) {
 }
 
 inline void check(Rules& r, const BackwardIO& io, const Attrs& at, size_t (*saved_logits_bytes)(const Problem&),
-                           Problem* p) {
+                  Problem* p) {
   check_problem(r, io, at, p);
   if (r.fail) return;
   const int64_t n = p->n;
@@ -359,7 +375,6 @@ struct Batch {
   std::vector<int64_t> lead;
   int64_t count = 1;
 
-  Batch() = default;
   explicit Batch(const std::vector<int64_t>& out_lead) : lead(out_lead) {
     for (int64_t d : lead) count *= d;
   }
@@ -413,22 +428,9 @@ Rules rules_of(const IO& io, bool batched) {
   return r;
 }
 
-// A forward's or backward's checks and Problem; on success the executor takes the call's workspace.
-template <class IO, class Exec>
-Fail prepare(Exec& ex, const IO& io, const Attrs& at, bool batched, Problem* p, Batch* batch) {
-  Rules r = rules_of(io, batched);
-  if (!r.fail) check(r, io, at, Exec::saved_logits_bytes, p);
-  if (r.fail) return r.fail;
-  ex.use_workspace(io.workspace.data, io.workspace.given ? size_t(io.workspace.core_bytes()) : 0);
-  *batch = Batch(r.batch);
-  return {};
-}
-
+// The forward's batch items, after run's checks.
 template <class Exec>
-Fail run(Exec& ex, const ForwardIO& io, const Attrs& at, bool batched) {
-  Problem p;
-  Batch batch;
-  if (Fail f = prepare(ex, io, at, batched, &p, &batch)) return f;
+Fail run_batch(Exec& ex, const ForwardIO& io, const Attrs& at, Problem p, const Batch& batch) {
   // Rows are independent: with one shared weight and every row operand batched alike, the batch
   // folds into the rows (the same bits as a loop, since results are batch invariant).
   const bool fold = batch.single(io.weight) && batch.single(io.bias) && batch.full(io.hidden) &&
@@ -484,11 +486,9 @@ Fail run(Exec& ex, const CombineIO& io, const Attrs& at, bool batched) {
   return {};
 }
 
+// The backward's batch items, after run's checks.
 template <class Exec>
-Fail run(Exec& ex, const BackwardIO& io, const Attrs& at, bool batched) {
-  Problem p;
-  Batch batch;
-  if (Fail f = prepare(ex, io, at, batched, &p, &batch)) return f;
+Fail run_batch(Exec& ex, const BackwardIO& io, const Attrs& at, const Problem& p, const Batch& batch) {
   DType dh_dtype;
   to_dtype(io.dhidden.elem, &dh_dtype);
   for (int64_t b = 0; b < batch.count; ++b) {
@@ -510,6 +510,18 @@ Fail run(Exec& ex, const BackwardIO& io, const Attrs& at, bool batched) {
     if (Fail f = kernel(ex.backward(p, a))) return f;
   }
   return {};
+}
+
+// A forward or a backward (the combine has its own run above): its checks and Problem; on success the
+// executor takes the call's workspace and run_batch runs the batch items.
+template <class Exec, class IO>
+Fail run(Exec& ex, const IO& io, const Attrs& at, bool batched) {
+  Rules r = rules_of(io, batched);
+  Problem p;
+  if (!r.fail) check(r, io, at, Exec::saved_logits_bytes, &p);
+  if (r.fail) return r.fail;
+  ex.use_workspace(io.workspace.data, io.workspace.given ? size_t(io.workspace.core_bytes()) : 0);
+  return run_batch(ex, io, at, p, Batch(r.batch));
 }
 
 }  // namespace rlk::io

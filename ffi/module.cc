@@ -86,7 +86,8 @@ rlk::io::Elem elem_of(const Array& a) {
 
 // io's Attrs by name (RLK_ATTRS), and the CUDA stream. A DLPack call knows has_bias from its bias,
 // and the backward with_entropy from its entropy and e: what it passes of those is overridden.
-#define RLK_ATTR_ENTRY(name) std::pair<const char*, int64_t rlk::io::Attrs::*>{#name, &rlk::io::Attrs::name}
+#define RLK_ATTR_ENTRY(name) \
+  std::pair<const char*, int64_t rlk::io::Attrs::*> { #name, &rlk::io::Attrs::name }
 constexpr std::pair<const char*, int64_t rlk::io::Attrs::*> kAttrs[] = {RLK_ATTRS(RLK_ATTR_ENTRY)};
 
 struct DlCall {
@@ -152,7 +153,8 @@ void run_dl(IO& io, const DlCall& c, int device) {
     }
     return raise(f);
   }
-  if (device != nb::device::cuda::value) throw std::invalid_argument("rlk: tensors must be on the CPU or a CUDA device");
+  if (device != nb::device::cuda::value)
+    throw std::invalid_argument("rlk: tensors must be on the CPU or a CUDA device");
 #if RLK_HAVE_CUDA
   rlk::CudaExec ex{reinterpret_cast<cudaStream_t>(c.stream)};
   raise(rlk::io::run(ex, io, c.at, /*batched=*/false));
@@ -201,7 +203,8 @@ void check(rlk::Status s) {
 #ifndef RLK_HAVE_SM90
 #define RLK_HAVE_SM90 0
 #endif
-constexpr const char* kNoCuda = "this build of _rlk_core has no CUDA backend (built without nvcc, or with RLK_CUDA=OFF)";
+constexpr const char* kNoCuda =
+    "this build of _rlk_core has no CUDA backend (built without nvcc, or with RLK_CUDA=OFF)";
 
 // A kernel (a route counter's name) and why it cannot run, "" if it can (as far as the build knows:
 // the CUDA forward's sm90-or-portable choice is made per call, on the device, by forward_backend).
@@ -253,8 +256,8 @@ nb::dict platforms(std::optional<int> cuda_device) {
   cuda_kernels[rlk::backend_name(rlk::Backend::kCudaPortable)] = kernel(kNoCuda, RLK_HAVE_CUDA);
   cuda_kernels[rlk::backend_name(rlk::Backend::kCudaBlas)] = kernel(kNoCuda, RLK_HAVE_CUDA);
   out["cpu"] = platform("cpu", "cpu", "cpu", "cpu", nb::device::cpu::value, false, true, "", cpu_kernels);
-  out["cuda"] = platform("cuda", "CUDA", "gpu", "cuda", nb::device::cuda::value, true, RLK_HAVE_CUDA, kNoCuda,
-                         cuda_kernels);
+  out["cuda"] =
+      platform("cuda", "CUDA", "gpu", "cuda", nb::device::cuda::value, true, RLK_HAVE_CUDA, kNoCuda, cuda_kernels);
   return out;
 }
 
@@ -297,13 +300,16 @@ NB_MODULE(_rlk_core, m) {
     return out;
   });
 
-  m.def("ffi_operands", [] {
-    nb::dict out;
-    out["forward"] = ffi_operands<rlk::io::ForwardIO>();
-    out["combine"] = ffi_operands<rlk::io::CombineIO>();
-    out["backward"] = ffi_operands<rlk::io::BackwardIO>();
-    return out;
-  }, "Each stage's XLA FFI operands in call order: {stage: [(name, rank), ...]} (ffi/io.h's tables).");
+  m.def(
+      "ffi_operands",
+      [] {
+        nb::dict out;
+        out["forward"] = ffi_operands<rlk::io::ForwardIO>();
+        out["combine"] = ffi_operands<rlk::io::CombineIO>();
+        out["backward"] = ffi_operands<rlk::io::BackwardIO>();
+        return out;
+      },
+      "Each stage's XLA FFI operands in call order: {stage: [(name, rank), ...]} (ffi/io.h's tables).");
 
   m.def("platforms", &platforms, nb::arg("cuda_device") = nb::none(),
         "The platforms this module knows, by name ('cpu', 'cuda'): each one's names in XLA, jax and DLPack,\n"
@@ -312,96 +318,102 @@ NB_MODULE(_rlk_core, m) {
         "kernel's architecture test on that device too (per problem, forward_backend also needs bf16/fp16, h\n"
         "a multiple of 64 and no nucleus). The frontends ask this instead of naming devices themselves.");
 
-  m.def("saved_logits_bytes",
-        [](int64_t n, int64_t v, int64_t chunk, rlk::DType dtype, const std::string& device) {
-          const int dev = device_of(device);
-          if (!rlk::io::chunk_fits(v, chunk)) throw std::invalid_argument(rlk::io::invalid(rlk::io::kChunkRule).what);
-          const rlk::Problem p = shape_problem(n, 0, v, chunk, dtype, false, false);
-          return int64_t(saved_logits_bytes_on(dev, p));
-        },
-        nb::arg("n"), nb::arg("v"), nb::arg("chunk"), nb::arg("dtype").noconvert(), nb::arg("device"),
-        "Bytes of the fast backward's saved logits (uint8) on platform `device` ('cpu' or 'cuda') for this\n"
-        "problem shape: each backend saves what its backward reads, in its own layout.");
+  m.def(
+      "saved_logits_bytes",
+      [](int64_t n, int64_t v, int64_t chunk, rlk::DType dtype, const std::string& device) {
+        const int dev = device_of(device);
+        if (!rlk::io::chunk_fits(v, chunk)) throw std::invalid_argument(rlk::io::invalid(rlk::io::kChunkRule).what);
+        const rlk::Problem p = shape_problem(n, 0, v, chunk, dtype, false, false);
+        return int64_t(saved_logits_bytes_on(dev, p));
+      },
+      nb::arg("n"), nb::arg("v"), nb::arg("chunk"), nb::arg("dtype").noconvert(), nb::arg("device"),
+      "Bytes of the fast backward's saved logits (uint8) on platform `device` ('cpu' or 'cuda') for this\n"
+      "problem shape: each backend saves what its backward reads, in its own layout.");
 
-  m.def("cuda_workspace_bytes",
-        [](int64_t n, int64_t h, int64_t v, int64_t chunk, rlk::DType dtype, bool has_bias, bool with_entropy,
-           bool dhidden_f32) {
-          nb::dict out;
+  m.def(
+      "cuda_workspace_bytes",
+      [](int64_t n, int64_t h, int64_t v, int64_t chunk, rlk::DType dtype, bool has_bias, bool with_entropy,
+         bool dhidden_f32) {
+        nb::dict out;
 #if RLK_HAVE_CUDA
-          const rlk::Problem p = shape_problem(n, h, v, chunk, dtype, has_bias, with_entropy);
-          const rlk::DType dh = dhidden_f32 ? rlk::DType::kF32 : p.dtype;
-          out["forward"] = int64_t(rlk::cuda::forward_workspace_bytes(p));
-          out["lean"] = int64_t(rlk::cuda::backward_workspace_bytes(p, false, dh));
-          out["fast"] = int64_t(rlk::cuda::backward_workspace_bytes(p, true, dh));
+        const rlk::Problem p = shape_problem(n, h, v, chunk, dtype, has_bias, with_entropy);
+        const rlk::DType dh = dhidden_f32 ? rlk::DType::kF32 : p.dtype;
+        out["forward"] = int64_t(rlk::cuda::forward_workspace_bytes(p));
+        out["lean"] = int64_t(rlk::cuda::backward_workspace_bytes(p, false, dh));
+        out["fast"] = int64_t(rlk::cuda::backward_workspace_bytes(p, true, dh));
 #else
-          (void)shape_problem(n, h, v, chunk, dtype, has_bias, with_entropy), (void)dhidden_f32;
-          for (const char* key : {"forward", "lean", "fast"}) out[key] = int64_t(0);
+        (void)shape_problem(n, h, v, chunk, dtype, has_bias, with_entropy), (void)dhidden_f32;
+        for (const char* key : {"forward", "lean", "fast"}) out[key] = int64_t(0);
 #endif
-          return out;
-        },
-        nb::arg("n"), nb::arg("h"), nb::arg("v"), nb::arg("chunk"), nb::arg("dtype").noconvert(), nb::arg("has_bias"),
-        nb::arg("with_entropy"), nb::arg("dhidden_f32"),
-        "CUDA workspace bytes for this problem shape: {'forward', 'lean', 'fast'} (the forward and each backward\n"
-        "strategy; the backward's with dhidden in float32, a vocab shard's partial sum, or in the operand dtype).");
+        return out;
+      },
+      nb::arg("n"), nb::arg("h"), nb::arg("v"), nb::arg("chunk"), nb::arg("dtype").noconvert(), nb::arg("has_bias"),
+      nb::arg("with_entropy"), nb::arg("dhidden_f32"),
+      "CUDA workspace bytes for this problem shape: {'forward', 'lean', 'fast'} (the forward and each backward\n"
+      "strategy; the backward's with dhidden in float32, a vocab shard's partial sum, or in the operand dtype).");
 
-  m.def("cuda_lean_plan",
-        [](int64_t n, int64_t h, int64_t v, rlk::DType dtype, bool dhidden_f32, bool fused) {
-          const rlk::Problem p = shape_problem(n, h, v, v, dtype, false, false);
-          const rlk::cuda::LeanPlan plan = rlk::cuda::lean_plan(p, fused, dhidden_f32 ? rlk::DType::kF32 : p.dtype);
-          const rlk::cuda::LeanLayout& L = plan.layout;
-          nb::dict parts;  // offsets from the tile base, of the parts this path has
-          parts["dh"] = int64_t(L.off_dh);
-          if (!L.fused) parts["z"] = int64_t(L.off_z);
-          parts["dlog"] = int64_t(L.off_dlog);
-          if (L.fused) parts["dzz"] = int64_t(L.off_dzz);
-          parts["dwacc"] = int64_t(L.off_dwacc);
-          nb::dict layout;
-          layout["fused"] = L.fused;
-          layout["P"] = L.t.P;
-          layout["P_max"] = L.t.P_max;
-          layout["R"] = L.t.R;
-          layout["dwacc"] = int64_t(L.t.dwacc);
-          layout["dh_in"] = L.dh_in;
-          layout["dh_ws"] = L.dh_ws;
-          layout["parts"] = parts;
-          layout["cublas_bytes"] = int64_t(rlk::cuda::blas::kWorkspaceAlloc);
-          layout["total"] = int64_t(L.total);
-          nb::list pieces;
-          for (const auto& pc : plan.pieces)
-            pieces.append(nb::make_tuple(pc.col, pc.cols, pc.width, pc.borrowed, int64_t(pc.tile_bytes)));
-          nb::list sweeps;
-          nb::list tiles;
-          for (const auto& sw : plan.dh_sweeps) {
-            sweeps.append(nb::make_tuple(sw.r0, sw.in, sw.r1));
-            tiles.append(nb::make_tuple(sw.tile_rows, sw.tile_width));
-          }
-          nb::dict out;
-          out["workspace_bytes"] = int64_t(L.total);
-          out["ws_tile_bytes"] = int64_t(plan.ws_tile_bytes);
-          out["rows_per_pass"] = L.t.R;
-          out["pieces"] = pieces;
-          out["dh_sweeps"] = sweeps;
-          out["dh_sweep_tiles"] = tiles;
-          out["layout"] = layout;
-          return out;
-        },
-        nb::arg("n"), nb::arg("h"), nb::arg("v"), nb::arg("dtype").noconvert(), nb::arg("dhidden_f32"), nb::arg("fused"),
-        "The CUDA lean backward's plan for this shape (host code: in every build; for tests and reports):\n"
-        "workspace_bytes, ws_tile_bytes, rows_per_pass, pieces [(col, cols, width, borrowed, tile_bytes)] (the\n"
-        "first sweep's), dh_sweeps [(r0, in, r1)]: dH rows [r0, r1), [r0, r0 + in) accumulated inside dhidden;\n"
-        "dh_sweep_tiles [(rows, width)]: each sweep's workspace tile; layout: the workspace's layout (P, P_max,\n"
-        "R, dwacc, dh_in, dh_ws, parts {name: offset from the tile base}, cublas_bytes: cuBLAS's part before\n"
-        "the 256-aligned tile base, total). All zero for n == 0.\n"
-        "fused: the sm90 recompute (a device decides it; here it is given).");
+  m.def(
+      "cuda_lean_plan",
+      [](int64_t n, int64_t h, int64_t v, rlk::DType dtype, bool dhidden_f32, bool fused) {
+        const rlk::Problem p = shape_problem(n, h, v, v, dtype, false, false);
+        const rlk::cuda::LeanPlan plan = rlk::cuda::lean_plan(p, fused, dhidden_f32 ? rlk::DType::kF32 : p.dtype);
+        const rlk::cuda::LeanLayout& L = plan.layout;
+        nb::dict parts;  // offsets from the tile base, of the parts this path has
+        parts["dh"] = int64_t(L.off_dh);
+        if (!L.fused) parts["z"] = int64_t(L.off_z);
+        parts["dlog"] = int64_t(L.off_dlog);
+        if (L.fused) parts["dzz"] = int64_t(L.off_dzz);
+        parts["dwacc"] = int64_t(L.off_dwacc);
+        nb::dict layout;
+        layout["fused"] = L.fused;
+        layout["P"] = L.t.P;
+        layout["P_max"] = L.t.P_max;
+        layout["R"] = L.t.R;
+        layout["dwacc"] = int64_t(L.t.dwacc);
+        layout["dh_in"] = L.dh_in;
+        layout["dh_ws"] = L.dh_ws;
+        layout["parts"] = parts;
+        layout["cublas_bytes"] = int64_t(rlk::cuda::blas::kWorkspaceAlloc);
+        layout["total"] = int64_t(L.total);
+        nb::list pieces;
+        for (const auto& pc : plan.pieces)
+          pieces.append(nb::make_tuple(pc.col, pc.cols, pc.width, pc.borrowed, int64_t(pc.tile_bytes)));
+        nb::list sweeps;
+        nb::list tiles;
+        for (const auto& sw : plan.dh_sweeps) {
+          sweeps.append(nb::make_tuple(sw.r0, sw.in, sw.r1));
+          tiles.append(nb::make_tuple(sw.tile_rows, sw.tile_width));
+        }
+        nb::dict out;
+        out["workspace_bytes"] = int64_t(L.total);
+        out["ws_tile_bytes"] = int64_t(plan.ws_tile_bytes);
+        out["rows_per_pass"] = L.t.R;
+        out["pieces"] = pieces;
+        out["dh_sweeps"] = sweeps;
+        out["dh_sweep_tiles"] = tiles;
+        out["layout"] = layout;
+        return out;
+      },
+      nb::arg("n"), nb::arg("h"), nb::arg("v"), nb::arg("dtype").noconvert(), nb::arg("dhidden_f32"), nb::arg("fused"),
+      "The CUDA lean backward's plan for this shape (host code: in every build; for tests and reports):\n"
+      "workspace_bytes, ws_tile_bytes, rows_per_pass, pieces [(col, cols, width, borrowed, tile_bytes)] (the\n"
+      "first sweep's), dh_sweeps [(r0, in, r1)]: dH rows [r0, r1), [r0, r0 + in) accumulated inside dhidden;\n"
+      "dh_sweep_tiles [(rows, width)]: each sweep's workspace tile; layout: the workspace's layout (P, P_max,\n"
+      "R, dwacc, dh_in, dh_ws, parts {name: offset from the tile base}, cublas_bytes: cuBLAS's part before\n"
+      "the 256-aligned tile base, total). All zero for n == 0.\n"
+      "fused: the sm90 recompute (a device decides it; here it is given).");
 
-  m.def("cuda_prepare_backward", [](int device) {
+  m.def(
+      "cuda_prepare_backward",
+      [](int device) {
 #if RLK_HAVE_CUDA
-    check(rlk::cuda::prepare_backward(device));
+        check(rlk::cuda::prepare_backward(device));
 #else
-    (void)device;
-    throw std::invalid_argument("rlk: this build has no CUDA backend");
+        (void)device;
+        throw std::invalid_argument("rlk: this build has no CUDA backend");
 #endif
-  }, nb::arg("device"), "Load cuBLAS and create CUDA device `device`'s handle (call before any CUDA-graph capture).");
+      },
+      nb::arg("device"), "Load cuBLAS and create CUDA device `device`'s handle (call before any CUDA-graph capture).");
 
   m.def("route_counts", [] {
     nb::dict out;

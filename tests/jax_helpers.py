@@ -3,9 +3,13 @@ import pytest
 pytest.importorskip("jax", reason="jax is not installed: these tests need it")
 
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+import oracle
 
 DTYPES = {"bfloat16": jnp.bfloat16, "float16": jnp.float16, "float32": jnp.float32}
 
@@ -53,3 +57,24 @@ def value_and_grads(fn, d, kw, g, e, with_entropy=True):
     args = [d["hidden"], d["weight"]] + [kw[k] for k in names[2:]]
     (_, (logp, ent)), grads = jax.value_and_grad(loss, argnums=tuple(range(len(args))), has_aux=True)(*args)
     return logp, ent, dict(zip(names, grads))
+
+
+def run_op(fn, seed, n, h, v, dtype, o, device, backward):
+    """oracle.check_against_oracle's JAX adapter (the CPU only): make_inputs with o's options, fn's
+    values and gradients (backward= passed when given) as numpy, with the inputs and dtype names."""
+    assert device == "cpu", f"the JAX adapter runs on the CPU, not {device!r}"
+    d, kw, g, e = make_inputs(seed, n, h, v, dtype, bias=o["bias"], temp=o["temp"], ignore_frac=o["ignore_frac"],
+                              real_vocab=o["real_vocab"])
+    op = fn if backward is None else (lambda *a, **k: fn(*a, backward=backward, **k))
+    logp, ent, grads = value_and_grads(op, d, kw, g, e, with_entropy=o["entropy"])
+    x = dict(hidden=np.asarray(d["hidden"]), weight=np.asarray(d["weight"]), targets=np.asarray(d["targets"]),
+             bias=np.asarray(kw["bias"]) if "bias" in kw else None,
+             temperature=np.asarray(kw.get("temperature", 1.0)), g=np.asarray(g), e=np.asarray(e))
+    y = dict(logp=np.asarray(logp), entropy=np.asarray(ent), grads={k: np.asarray(gr) for k, gr in grads.items()},
+             dtypes=dict(logp=str(logp.dtype), **{k: str(gr.dtype) for k, gr in grads.items()}))
+    return x, y
+
+
+# The tolerances these tests had before the check was shared (oracle.check_against_oracle's
+# kept_bound and dlogit_rounding say how they differ from the torch tests').
+check_against_oracle = functools.partial(oracle.check_against_oracle, run_op, kept_bound="fp16", dlogit_rounding=True)

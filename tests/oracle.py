@@ -105,6 +105,52 @@ def linear_logp(h, w, t, *, bias=None, temperature=1.0, ignore_index=-100, real_
     return out
 
 
+# Unit roundoff of the kept logits (backward="fast"): fp16 for bf16/fp16 inputs, fp32 for fp32.
+KEPT_ROUNDOFF = {"bfloat16": 2.0 ** -11, "float16": 2.0 ** -11, "float32": 2.0 ** -24}
+
+
+def kept_logits_error(h, w, t, *, dtype, bias=None, temperature=1.0, ignore_index=-100, real_vocab=None, g=None,
+                      e=None):
+    """Elementwise float64 bounds on what the fast backward's kept logits add to every gradient's
+    error (arguments as oracle.linear_logp's). The kept z_hat = z (1 + d), |d| <= u
+    (KEPT_ROUNDOFF), is read back with the forward's (fp32, unrounded) lse and entropy, so
+      |p_hat - p| = p |exp(z d) - 1| <= q := p (exp(|z| u) - 1)    (~ p |z| u)
+      |p_hat z_hat - p z|            <= q |z| (1 + u) + p |z| u
+    and dz = g (delta - p) + e p (lse - ent) - e p z is off by at most
+      D = |g| q + |e| q |lse - ent| + |e| (q |z| (1 + u) + p |z| u).
+    dlogit = dz / T, and the gradients are linear in dlogit: dh = dlogit @ W is off by at most
+    (D / T) @ |W|, dw by (D / T)^T @ |h|, db by the column sums of D / T, and dtemp = -sum_j dz z / T
+    by sum_j (D |z| (1 + u) + |dz| |z| u) / T."""
+    u = KEPT_ROUNDOFF[str(dtype)]
+    h, w = f64(h), f64(w)
+    t = np.asarray(t).reshape(-1).astype(np.int64)
+    n, v = h.shape[0], w.shape[0]
+    real = v if real_vocab is None else real_vocab
+    temp = np.broadcast_to(f64(temperature), (n,)).astype(np.float64)[:, None]
+    z = (h @ w.T + (f64(bias)[None, :] if bias is not None else 0.0)) / temp
+    pad = np.arange(v)[None, :] >= real
+    keep = ((t != ignore_index) & (t >= 0) & (t < real))[:, None]
+    valid = keep & ~pad
+    z = np.where(pad, 0.0, z)
+    zm = np.where(pad, -np.inf, z)
+    m = zm.max(axis=1, keepdims=True)
+    lse = m + np.log(np.exp(zm - m).sum(axis=1, keepdims=True))
+    p = np.exp(zm - lse)
+    ent = lse - (p * z).sum(axis=1, keepdims=True)
+    g = np.zeros((n, 1)) if g is None else f64(g).reshape(n, 1)
+    e = np.zeros((n, 1)) if e is None else f64(e).reshape(n, 1)
+    delta = np.zeros_like(z)
+    delta[np.arange(n), np.clip(t, 0, v - 1)] = 1.0
+    dz = np.where(valid, g * (delta - p) + e * p * (lse - ent) - e * p * z, 0.0)
+    az = np.abs(z)
+    q = p * np.expm1(az * u)
+    D = np.where(valid, np.abs(g) * q + np.abs(e) * q * np.abs(lse - ent) + np.abs(e) * (q * az * (1 + u) + p * az * u),
+                 0.0)
+    dl = D / temp
+    return dict(dh=dl @ np.abs(w), dw=dl.T @ np.abs(h), db=dl.sum(axis=0),
+                dtemp=((D * az * (1 + u) + np.abs(dz) * az * u) / temp).sum(axis=1))
+
+
 def rel_err(x, ref):
     x, ref = f64(x), np.asarray(ref, np.float64)
     den = np.linalg.norm(ref)
@@ -123,7 +169,7 @@ def assert_values(x, ref, what):
 def assert_grad(x, ref, dtype, what, ref_abs=None, kept_err=None):
     """x against the float64 gradient ref to the dtype's GRAD_RTOL, plus the accumulation bound
     ref_abs (ACCUM_RTOL units) and, for the fast backward, the norm of the kept-logits error bound
-    kept_err (torch_helpers.kept_logits_error: |fast - ref| <= |lean-like error| + bound
+    kept_err (kept_logits_error: |fast - ref| <= |lean-like error| + bound
     elementwise, so the norms add), each relative to the gradient's norm."""
     err = rel_err(x, ref)
     den = max(np.linalg.norm(ref), 1e-300)
@@ -132,6 +178,45 @@ def assert_grad(x, ref, dtype, what, ref_abs=None, kept_err=None):
         tol += np.linalg.norm(kept_err) / den
     assert np.all(np.isfinite(f64(x))), f"{what}: non-finite gradient"
     assert err <= tol, f"{what}: relative error {err:.3g} > {tol:.3g}"
+
+
+def assert_grads(grads, ref, dtype, prefix=""):
+    """Every gradient in grads (numpy: hidden, weight[, bias][, temperature]) against the oracle's
+    ref, with ref["kept"] (kept_logits_error's bounds) where given."""
+    kept = ref.get("kept") or {}
+    for name, key, dt in (("hidden", "dh", dtype), ("weight", "dw", dtype), ("bias", "db", dtype),
+                          ("temperature", "dtemp", "float32")):
+        if name in grads:
+            assert_grad(grads[name], ref[key], dt, f"{prefix}d {name}", ref[key + "_abs"], kept.get(key))
+
+
+def check_against_oracle(run, fn, n, h, v, dtype, o, seed=0, device="cpu", backward=None, *, kept_bound,
+                         dlogit_rounding):
+    """fn's values and gradients against the float64 oracle, for either frontend: each binds run, its
+    adapter, and the two tolerance choices below (torch_helpers.check_against_oracle,
+    jax_helpers.check_against_oracle). o: the options of a case_grid case. backward: passed to fn when
+    given.
+    run(fn, seed, n, h, v, dtype, o, device, backward) -> (x, y), numpy: x the inputs (hidden, weight,
+    targets, bias or None, temperature, g, e), y logp, entropy, grads {hidden, weight[, bias][,
+    temperature]} and dtypes {logp and each gradient: its dtype's name} of loss = sum g*logp + sum
+    e*entropy (entropy left out of the loss where o["entropy"] is off).
+    The fast backward's kept-logits allowance: kept_bound "elementwise" (kept_logits_error, every
+    dtype) or "fp16" (linear_logp's kept_fp16, 16-bit operands); dlogit_rounding: the CPU backward's
+    bf16 dlogit (cpu_dlogit_dtype) in the accumulation bound."""
+    x, y = run(fn, seed, n, h, v, dtype, o, device, backward)
+    fast, ent_on = backward == "fast", o["entropy"]
+    opts = dict(bias=x["bias"], temperature=x["temperature"], real_vocab=o["real_vocab"], g=x["g"],
+                e=x["e"] if ent_on else None)
+    args = (x["hidden"], x["weight"], x["targets"])
+    ref = linear_logp(*args, kept_fp16=kept_bound == "fp16" and fast and dtype != "float32",
+                      dlogit_dtype=cpu_dlogit_dtype(dtype) if dlogit_rounding else None, **opts)
+    ref["kept"] = kept_logits_error(*args, dtype=dtype, **opts) if kept_bound == "elementwise" and fast else None
+    assert y["dtypes"]["logp"] == "float32" and y["logp"].shape == np.shape(x["targets"])
+    assert_values(y["logp"], ref["logp"], "logp")
+    if ent_on:
+        assert_values(y["entropy"], ref["entropy"], "entropy")
+    assert all(y["dtypes"][k] == dtype for k in ("hidden", "weight", "bias") if k in y["grads"]), y["dtypes"]
+    assert_grads(y["grads"], ref, dtype)
 
 
 DTYPE_NAMES = ("bfloat16", "float16", "float32")

@@ -4,10 +4,13 @@ import pytest
 pytest.importorskip("torch", reason="torch is not installed: these tests need it")
 
 
+import functools
+
 import numpy as np
 import torch
 
 import _rlk_core
+import oracle
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 # a `device` parameter value: the CUDA case of a test that also runs on the CPU
@@ -76,97 +79,40 @@ def to_np(x):
     return x.detach().float().cpu().numpy()
 
 
-# Unit roundoff of the kept logits (backward="fast"): fp16 for bf16/fp16 inputs, fp32 for fp32.
-KEPT_ROUNDOFF = {"bfloat16": 2.0 ** -11, "float16": 2.0 ** -11, "float32": 2.0 ** -24}
-
-
-def kept_logits_error(h, w, t, *, dtype, bias=None, temperature=1.0, ignore_index=-100, real_vocab=None, g=None,
-                      e=None):
-    """Elementwise float64 bounds on what the fast backward's kept logits add to every gradient's
-    error (arguments as oracle.linear_logp's). The kept z_hat = z (1 + d), |d| <= u
-    (KEPT_ROUNDOFF), is read back with the forward's (fp32, unrounded) lse and entropy, so
-      |p_hat - p| = p |exp(z d) - 1| <= q := p (exp(|z| u) - 1)    (~ p |z| u)
-      |p_hat z_hat - p z|            <= q |z| (1 + u) + p |z| u
-    and dz = g (delta - p) + e p (lse - ent) - e p z is off by at most
-      D = |g| q + |e| q |lse - ent| + |e| (q |z| (1 + u) + p |z| u).
-    dlogit = dz / T, and the gradients are linear in dlogit: dh = dlogit @ W is off by at most
-    (D / T) @ |W|, dw by (D / T)^T @ |h|, db by the column sums of D / T, and dtemp = -sum_j dz z / T
-    by sum_j (D |z| (1 + u) + |dz| |z| u) / T."""
-    import oracle
-    u = KEPT_ROUNDOFF[str(dtype)]
-    h, w = oracle.f64(h), oracle.f64(w)
-    t = np.asarray(t).reshape(-1).astype(np.int64)
-    n, v = h.shape[0], w.shape[0]
-    real = v if real_vocab is None else real_vocab
-    temp = np.broadcast_to(oracle.f64(temperature), (n,)).astype(np.float64)[:, None]
-    z = (h @ w.T + (oracle.f64(bias)[None, :] if bias is not None else 0.0)) / temp
-    pad = np.arange(v)[None, :] >= real
-    keep = ((t != ignore_index) & (t >= 0) & (t < real))[:, None]
-    valid = keep & ~pad
-    z = np.where(pad, 0.0, z)
-    zm = np.where(pad, -np.inf, z)
-    m = zm.max(axis=1, keepdims=True)
-    lse = m + np.log(np.exp(zm - m).sum(axis=1, keepdims=True))
-    p = np.exp(zm - lse)
-    ent = lse - (p * z).sum(axis=1, keepdims=True)
-    g = np.zeros((n, 1)) if g is None else oracle.f64(g).reshape(n, 1)
-    e = np.zeros((n, 1)) if e is None else oracle.f64(e).reshape(n, 1)
-    delta = np.zeros_like(z)
-    delta[np.arange(n), np.clip(t, 0, v - 1)] = 1.0
-    dz = np.where(valid, g * (delta - p) + e * p * (lse - ent) - e * p * z, 0.0)
-    az = np.abs(z)
-    q = p * np.expm1(az * u)
-    D = np.where(valid, np.abs(g) * q + np.abs(e) * q * np.abs(lse - ent) + np.abs(e) * (q * az * (1 + u) + p * az * u),
-                 0.0)
-    dl = D / temp
-    return dict(dh=dl @ np.abs(w), dw=dl.T @ np.abs(h), db=dl.sum(axis=0),
-                dtemp=((D * az * (1 + u) + np.abs(dz) * az * u) / temp).sum(axis=1))
-
-
 def oracle_of(d, kw, g, e, real_vocab=None, with_entropy=True, kept_dtype=None):
     """oracle.linear_logp of make_inputs' values; with kept_dtype (backward="fast") also the
     kept-logits error bounds, as ref["kept"] (else None)."""
-    import oracle
     temp = kw.get("temperature", 1.0)
     args = (to_np(d["hidden"]), to_np(d["weight"]), d["targets"].cpu().numpy())
     opts = dict(bias=None if "bias" not in kw else to_np(kw["bias"]),
                 temperature=to_np(temp) if isinstance(temp, torch.Tensor) else temp, real_vocab=real_vocab,
                 g=g.cpu().numpy(), e=e.cpu().numpy() if with_entropy else None)
     ref = oracle.linear_logp(*args, **opts)
-    ref["kept"] = None if kept_dtype is None else kept_logits_error(*args, dtype=kept_dtype, **opts)
+    ref["kept"] = None if kept_dtype is None else oracle.kept_logits_error(*args, dtype=kept_dtype, **opts)
     return ref
 
 
-def assert_grads(grads, ref, dtype, prefix=""):
-    """Every gradient in `grads` (hidden, weight[, bias][, temperature]) against oracle_of's ref."""
-    import oracle
-    kept = ref["kept"] or {}
-    for name, key, dt in (("hidden", "dh", dtype), ("weight", "dw", dtype), ("bias", "db", dtype),
-                          ("temperature", "dtemp", "float32")):
-        if name in grads:
-            oracle.assert_grad(to_np(grads[name]), ref[key], dt, f"{prefix}d {name}", ref[key + "_abs"],
-                               kept.get(key))
-
-
-def check_against_oracle(fn, n, h, v, dtype, o, seed=0, device="cpu", backward=None):
-    """fn's values and gradients against the float64 oracle. backward: passed to fn when given;
-    "fast" widens the gradient tolerance by the kept logits' rounding bound (kept_logits_error)."""
-    import oracle
+def run_op(fn, seed, n, h, v, dtype, o, device, backward):
+    """oracle.check_against_oracle's torch adapter: make_inputs with o's options on `device`, fn's
+    values and gradients (backward= passed when given) as numpy, with the inputs and dtype names."""
     d, kw, g, e = make_inputs(seed, n, h, v, dtype, bias=o["bias"], temp=o["temp"], ignore_frac=o["ignore_frac"],
                               real_vocab=o["real_vocab"], device=device)
-    ent_on = o["entropy"]
     extra = {} if backward is None else dict(backward=backward)
-    logp, ent, grads = value_and_grads(fn, d, kw, g, e, with_entropy=ent_on, **extra)
-    ref = oracle_of(d, kw, g, e, real_vocab=o["real_vocab"], with_entropy=ent_on,
-                    kept_dtype=dtype if backward == "fast" else None)
-    assert logp.dtype == torch.float32 and logp.shape == d["targets"].shape
-    oracle.assert_values(to_np(logp), ref["logp"], "logp")
-    if ent_on:
-        oracle.assert_values(to_np(ent), ref["entropy"], "entropy")
-    assert grads["hidden"].dtype == d["hidden"].dtype and grads["weight"].dtype == d["weight"].dtype
-    if "bias" in grads:
-        assert grads["bias"].dtype == kw["bias"].dtype
-    assert_grads(grads, ref, dtype)
+    logp, ent, grads = value_and_grads(fn, d, kw, g, e, with_entropy=o["entropy"], **extra)
+    temp = kw.get("temperature", 1.0)
+    x = dict(hidden=to_np(d["hidden"]), weight=to_np(d["weight"]), targets=d["targets"].cpu().numpy(),
+             bias=to_np(kw["bias"]) if "bias" in kw else None,
+             temperature=to_np(temp) if isinstance(temp, torch.Tensor) else temp, g=g.cpu().numpy(), e=e.cpu().numpy())
+    name = lambda t: str(t.dtype).removeprefix("torch.")
+    y = dict(logp=to_np(logp), entropy=to_np(ent), grads={k: to_np(gr) for k, gr in grads.items()},
+             dtypes=dict(logp=name(logp), **{k: name(gr) for k, gr in grads.items()}))
+    return x, y
+
+
+# The tolerances these tests had before the check was shared (oracle.check_against_oracle's
+# kept_bound and dlogit_rounding say how they differ from the JAX tests').
+check_against_oracle = functools.partial(oracle.check_against_oracle, run_op, kept_bound="elementwise",
+                                         dlogit_rounding=False)
 
 
 def save_inputs(path, d, kw, g, e, dtype, real_vocab):

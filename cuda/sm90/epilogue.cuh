@@ -59,8 +59,8 @@ struct SaveRows {
 };
 struct NoGradRows {};
 template <Epi kEpi>
-using GradArg = std::conditional_t<kEpi == Epi::kDlogit, GradRows,
-                                   std::conditional_t<kEpi == Epi::kSave, SaveRows, NoGradRows>>;
+using GradArg =
+    std::conditional_t<kEpi == Epi::kDlogit, GradRows, std::conditional_t<kEpi == Epi::kSave, SaveRows, NoGradRows>>;
 
 // ---- accumulator layout and the 2-byte packings of the tile store ------------------------------
 // Lane l of warp w (in its warpgroup) holds rows w*16 + l/4 (values d[4j], d[4j+1]) and +8
@@ -92,7 +92,8 @@ __device__ __forceinline__ void warpgroup_sync(int cw) { warpgroup_bar_sync(cw +
 // the previous half, so the epilogues put other work between the two halves.
 template <class Pack>
 __device__ __forceinline__ void store_half(const float* d, Pack pack, int half, int64_t t0, int64_t col_end,
-                                           const Params& P, const CUtensorMap* tmO, uint32_t buf, int cw, int64_t row0) {
+                                           const Params& P, const CUtensorMap* tmO, uint32_t buf, int cw,
+                                           int64_t row0) {
   const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
   const bool tma = P.out_tma && (t0 + kBN <= col_end || col_end == P.cols);
   if (tid == 0) tma_store_wait_read();
@@ -111,7 +112,8 @@ __device__ __forceinline__ void store_half(const float* d, Pack pack, int half, 
     warpgroup_sync(cw);
     if (tid == 0) {
       for (int b = 0; b < 2; ++b)
-        if (c0 + b * kBoxCols < P.cols) tma_store_2d(tmO, buf + b * kBoxBytes, int32_t(c0 + b * kBoxCols), int32_t(row0));
+        if (c0 + b * kBoxCols < P.cols)
+          tma_store_2d(tmO, buf + b * kBoxBytes, int32_t(c0 + b * kBoxCols), int32_t(row0));
       tma_store_commit();
     }
   } else {
@@ -134,8 +136,8 @@ __device__ __forceinline__ void store_half(const float* d, Pack pack, int half, 
 // Bias and 1/T (itA, itB: rows A and B, times log2e); padding columns (past the chunk's end or the
 // real vocab) become -inf. mx: the lane's maximum of each row (in the same pass: fewer live registers).
 template <bool kMask>
-__device__ __forceinline__ void scale_tile(float* d, int64_t t0, int64_t col_end, const Params& P, float itA,
-                                           float itB, float (&mx)[2]) {
+__device__ __forceinline__ void scale_tile(float* d, int64_t t0, int64_t col_end, const Params& P, float itA, float itB,
+                                           float (&mx)[2]) {
   const int cq = 2 * (threadIdx.x % 4);
   mx[0] = mx[1] = -INFINITY;
 #pragma unroll
@@ -251,7 +253,10 @@ __device__ __forceinline__ RowGrad row_grad(const Params& P, const GradRows& G, 
   r.lse2 = lse * kLog2e;
   // a row with non-finite statistics (a NaN row) gets NaN in every real column, -inf logits too
   r.g = isfinite(G.m[row]) && isfinite(G.log_s[row]) ? G.g[row] : NAN;
-  if (G.e) { r.e = G.e[row]; r.c = lse - G.ent[row]; }
+  if (G.e) {
+    r.e = G.e[row];
+    r.c = lse - G.ent[row];
+  }
   return r;
 }
 // Row r (0: A, 1: B) of the lane's values in half `half` of the tile to dlogit in place; dzz
@@ -296,9 +301,9 @@ template <> struct RowState<Epi::kDlogit> {  // sum dz z (the rows' gradient inp
 };                                            // mainloop, they made ptxas spill)
 
 template <bool kBf16, Epi kEpi, bool kMask>
-__device__ __forceinline__ void epilogue(float* d, int t, int64_t t0, int64_t col_end, const Params& P, const GradArg<kEpi>& G,
-                                         float itA, float itB, const CUtensorMap* tmO, uint32_t buf, int cw,
-                                         int64_t row0, RowState<kEpi>& st) {
+__device__ __forceinline__ void epilogue(float* d, int t, int64_t t0, int64_t col_end, const Params& P,
+                                         const GradArg<kEpi>& G, float itA, float itB, const CUtensorMap* tmO,
+                                         uint32_t buf, int cw, int64_t row0, RowState<kEpi>& st) {
   float mx[2];
   scale_tile<kMask>(d, t0, col_end, P, itA, itB, mx);
   const int64_t rowA = row0 + (threadIdx.x % 128) / 32 * 16 + (threadIdx.x % 32) / 4;
@@ -351,7 +356,9 @@ __device__ __forceinline__ void store_partials(RowState<kEpi>& st, const Params&
     for (int r = 0; r < 2; ++r) {
       if (rows[r] >= P.rows) continue;
       float* o = P.part + (rows[r] * P.nsplit + cu) * kPartWidth;
-      o[0] = st.run[r][0]; o[1] = st.run[r][1]; o[2] = st.run[r][2];
+      o[0] = st.run[r][0];
+      o[1] = st.run[r][1];
+      o[2] = st.run[r][2];
       if constexpr (kEpi == Epi::kSave) o[3] = st.run[r][3];
       else o[3] = 0.f;
     }

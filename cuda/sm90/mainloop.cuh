@@ -64,7 +64,10 @@ __device__ __forceinline__ void load_unit(const Pipeline& pl, const CUtensorMap*
       const uint32_t sa = pl.stage(stage);
       tma_load_2d(sa, tmA, kb * kBK, int32_t(u.r0), pl.full(stage));
       tma_load_2d(sa + kABytes, tmB, kb * kBK, tc, pl.full(stage));
-      if (++stage == kStages) { stage = 0; phase ^= 1; }
+      if (++stage == kStages) {
+        stage = 0;
+        phase ^= 1;
+      }
     }
   }
 }
@@ -94,7 +97,10 @@ __device__ __forceinline__ void mma_unit(const Pipeline& pl, int ntiles, float* 
         if (lane == 0) mbar_arrive(pl.empty(prev));
       }
       prev = stage;
-      if (++stage == kStages) { stage = 0; phase ^= 1; }
+      if (++stage == kStages) {
+        stage = 0;
+        phase ^= 1;
+      }
     }
     wgmma_wait<0>();
     if (lane == 0) mbar_arrive(pl.empty(prev));

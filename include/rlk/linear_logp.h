@@ -50,7 +50,6 @@ enum class DType : int32_t { kF32 = 0, kF16 = 1, kBF16 = 2 };
 
 inline size_t dtype_bytes(DType t) { return t == DType::kF32 ? 4 : 2; }
 
-
 // One call: n rows of hidden [n, h] against this shard's v vocab rows of weight [v, h].
 struct Problem {
   int64_t n = 0;             // rows (tokens)
@@ -96,7 +95,12 @@ RLK_HD TargetKind classify_target(int64_t t, int64_t real_vocab, int64_t ignore_
 // (s2 = 0: only padding) change nothing; NaN statistics make the result NaN.
 RLK_HD void stats_merge(float m2, float s2, float a2, float& m, float& s, float& a) {
   if (s2 == 0.f) return;
-  if (s == 0.f) { m = m2; s = s2; a = a2; return; }
+  if (s == 0.f) {
+    m = m2;
+    s = s2;
+    a = a2;
+    return;
+  }
   if (m2 > m) {
     const float d = m - m2, alpha = expf(d);
     a = alpha * (a + d * s) + a2;
@@ -150,7 +154,11 @@ RLK_HD float moments_dzz(const float* mom, float m, float log_s, float c, float 
 // stats_merge (or moments_merge) folds them, so the rebasing follows the same max.
 RLK_HD void nucleus_merge(float m2, float s2, float sk2, float ak2, float m, float s, float& sk, float& ak) {
   if (s2 == 0.f) return;
-  if (s == 0.f) { sk = sk2; ak = ak2; return; }
+  if (s == 0.f) {
+    sk = sk2;
+    ak = ak2;
+    return;
+  }
   if (m2 > m) {
     const float d = m - m2, alpha = expf(d);
     ak = fmaf(alpha, fmaf(d, sk, ak), ak2);
@@ -184,7 +192,9 @@ RLK_HD float reciprocal(float t) {
 
 // The row results: logp and entropy, and the row's m, log_s and log_s_keep (the backward's p and
 // nucleus p, see dz_of; log_s_keep = log_s without a nucleus).
-struct RowResult { float logp, entropy, m, log_s, log_s_keep; };
+struct RowResult {
+  float logp, entropy, m, log_s, log_s_keep;
+};
 
 // log sum_c exp(m_c - m) keep_sum_c over the k chunks in order: the row's kept sum relative to its
 // max m, from each chunk's kept sum relative to the chunk's max m_c (a chunk of only padding has
@@ -202,8 +212,8 @@ RLK_HD float log_keep_sum(const float* stats, const float* keep_sum, int64_t k, 
 // target logit into a RowResult. Every backend and every TP degree calls this. With keep_sum (k
 // floats, FwdArgs::keep_sum of every chunk) logp is over the nucleus, and target_logit is the
 // nucleus's (-inf for a target outside it, see FwdArgs).
-RLK_HD RowResult combine_row(const float* stats, int64_t k, float target_logit, int64_t target,
-                             int64_t real_vocab, int64_t ignore_index, const float* keep_sum = nullptr) {
+RLK_HD RowResult combine_row(const float* stats, int64_t k, float target_logit, int64_t target, int64_t real_vocab,
+                             int64_t ignore_index, const float* keep_sum = nullptr) {
   float m = -INFINITY, s = 0.f, a = 0.f;
   for (int64_t c = 0; c < k; ++c)
     stats_merge(stats[c * kStatWidth], stats[c * kStatWidth + 1], stats[c * kStatWidth + 2], m, s, a);
@@ -217,8 +227,14 @@ RLK_HD RowResult combine_row(const float* stats, int64_t k, float target_logit, 
   // by a NaN-keeping clamp (fminf(NaN, 0) would be 0).
   const float logp = (target_logit - m) - r.log_s_keep;
   switch (classify_target(target, real_vocab, ignore_index)) {
-    case TargetKind::kIgnored: r.logp = 0.f; r.entropy = 0.f; break;
-    case TargetKind::kInvalid: r.logp = NAN; r.entropy = NAN; break;
+    case TargetKind::kIgnored:
+      r.logp = 0.f;
+      r.entropy = 0.f;
+      break;
+    case TargetKind::kInvalid:
+      r.logp = NAN;
+      r.entropy = NAN;
+      break;
     default: r.logp = logp > 0.f ? 0.f : logp; break;
   }
   return r;
@@ -331,7 +347,9 @@ inline Status check_dhidden_dtype(const Problem& p, DType t) {
 // are cuBLAS's, see cuda/linear_logp_bwd.cu).
 enum class Backend : int32_t { kCpu = 0, kCudaSm90 = 1, kCudaPortable = 2, kCudaBlas = 3, kCount = 4 };
 const char* backend_name(Backend b);
-struct RouteCounts { int64_t fwd_calls, fwd_tokens, bwd_calls, bwd_tokens, bwd_fast_calls; };
+struct RouteCounts {
+  int64_t fwd_calls, fwd_tokens, bwd_calls, bwd_tokens, bwd_fast_calls;
+};
 // Thread-safe. `fast`: a backward that read the saved logits.
 void count_call(Backend b, bool backward, int64_t tokens, bool fast = false);
 RouteCounts read_counts(Backend b);

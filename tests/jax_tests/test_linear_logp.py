@@ -13,41 +13,19 @@ import rlk_xla
 import oracle
 from rlk_xla._args import saved_logits_bytes
 from rlk_xla._core import core
-from jax_helpers import make_inputs, value_and_grads
+from jax_helpers import check_against_oracle, make_inputs, value_and_grads
 from oracle import case_grid
-
-
-def check_against_oracle(n, h, v, dtype, o, fn=rlk_xla.linear_logp, seed=0, backward=None):
-    """backward: the fused op's strategy, or None for a function without one (the reference)."""
-    d, kw, g, e = make_inputs(seed, n, h, v, dtype, bias=o["bias"], temp=o["temp"], ignore_frac=o["ignore_frac"],
-                              real_vocab=o["real_vocab"])
-    ent_on = o["entropy"]
-    op = fn if backward is None else (lambda *a, **k: fn(*a, backward=backward, **k))
-    logp, ent, grads = value_and_grads(op, d, kw, g, e, with_entropy=ent_on)
-    ref = oracle.linear_logp(d["hidden"], d["weight"], d["targets"], bias=kw.get("bias"),
-                             temperature=kw.get("temperature", 1.0), real_vocab=o["real_vocab"], g=g,
-                             e=e if ent_on else None, kept_fp16=backward == "fast" and dtype != "float32",
-                             dlogit_dtype=oracle.cpu_dlogit_dtype(dtype))
-    oracle.assert_values(logp, ref["logp"], "logp")
-    if ent_on:
-        oracle.assert_values(ent, ref["entropy"], "entropy")
-    oracle.assert_grad(grads["hidden"], ref["dh"], dtype, "d hidden", ref["dh_abs"])
-    oracle.assert_grad(grads["weight"], ref["dw"], dtype, "d weight", ref["dw_abs"])
-    if "bias" in grads:
-        oracle.assert_grad(grads["bias"], ref["db"], dtype, "d bias", ref["db_abs"])
-    if "temperature" in grads:
-        oracle.assert_grad(grads["temperature"], ref["dtemp"], "float32", "d temperature", ref["dtemp_abs"])
 
 
 @pytest.mark.parametrize("backward", ["fast", "lean"])
 @pytest.mark.parametrize("n,h,v,dtype,o", case_grid(), ids=lambda x: str(x) if not isinstance(x, dict) else "")
 def test_against_float64_oracle(n, h, v, dtype, o, backward):
-    check_against_oracle(n, h, v, dtype, o, backward=backward)
+    check_against_oracle(rlk_xla.linear_logp, n, h, v, dtype, o, backward=backward)
 
 
 def test_reference_matches_oracle():
     for o in case_grid()[:8]:
-        check_against_oracle(*o[:4], o[4], fn=rlk_xla.reference.linear_logp)
+        check_against_oracle(rlk_xla.reference.linear_logp, *o[:4], o[4])
 
 
 def test_leading_dims_and_jit():
