@@ -191,12 +191,14 @@ static Outputs run_once(const Inputs& in, bool bwd, bool fast, DType dh_dtype) {
   fws.poison();
   DevBuf saved(bwd && fast ? cuda::saved_logits_bytes(p) : 0);
   saved.poison();
+  OperandArgs ops;  // the forward's and the backward's
+  ops.hidden = in.hidden;
+  ops.weight = in.weight;
+  ops.bias = in.bias;
+  ops.targets = in.targets;
+  ops.temperature = in.temperature;
   FwdArgs fa;
-  fa.hidden = in.hidden;
-  fa.weight = in.weight;
-  fa.bias = in.bias;
-  fa.targets = in.targets;
-  fa.temperature = in.temperature;
+  static_cast<OperandArgs&>(fa) = ops;
   fa.stats = stats.as<float>();
   fa.target_logit = tl.as<float>();
   fa.saved_logits = saved.p;
@@ -242,11 +244,7 @@ static Outputs run_once(const Inputs& in, bool bwd, bool fast, DType dh_dtype) {
   dzz.poison();
   bws.poison();
   BwdArgs ba;
-  ba.hidden = in.hidden;
-  ba.weight = in.weight;
-  ba.bias = in.bias;
-  ba.targets = in.targets;
-  ba.temperature = in.temperature;
+  static_cast<OperandArgs&>(ba) = ops;
   ba.m = m.as<float>();
   ba.log_s = log_s.as<float>();
   ba.entropy = p.with_entropy ? ent.as<float>() : nullptr;
@@ -602,11 +600,13 @@ static void bench_shape(const char* name, int64_t n, int64_t h, int64_t v, int r
   DevBuf saved(cuda::saved_logits_bytes(p));
   for (DevBuf* b : {&stats, &tl, &logp, &m, &log_s, &ent, &dh, &dw, &dzz, &saved})
     CK(cudaMemset(b->p, 0, b->bytes));  // fingerprinted
+  OperandArgs ops;  // the forward's and the backward's
+  ops.hidden = H.p;
+  ops.weight = W.p;
+  ops.targets = T.as<int32_t>();
+  ops.temperature = IT.as<float>();
   FwdArgs fa;
-  fa.hidden = H.p;
-  fa.weight = W.p;
-  fa.targets = T.as<int32_t>();
-  fa.temperature = IT.as<float>();
+  static_cast<OperandArgs&>(fa) = ops;
   fa.stats = stats.as<float>();
   fa.target_logit = tl.as<float>();
   CombineArgs ca;
@@ -621,10 +621,7 @@ static void bench_shape(const char* name, int64_t n, int64_t h, int64_t v, int r
   ca.log_s = log_s.as<float>();
   ca.entropy = ent.as<float>();
   BwdArgs ba;
-  ba.hidden = H.p;
-  ba.weight = W.p;
-  ba.targets = T.as<int32_t>();
-  ba.temperature = IT.as<float>();
+  static_cast<OperandArgs&>(ba) = ops;
   ba.m = m.as<float>();
   ba.log_s = log_s.as<float>();
   ba.g = G.as<float>();
