@@ -1,9 +1,19 @@
-"""rlk_xla.linear_logp under jax.jit with NamedSharding inputs, a mesh set and no shard_map (GSPMD /
-Shardy; rlk_xla.gspmd), on 4 and 8 CPU devices: the vocab sharded over "tp" (rows over "dp" too)
-compiles with no all-gather, gives the shard_map path's bits (logp, entropy and the gradients of
-hidden, weight, bias and a per-token temperature, backward="lean"), dW keeps the weight's sharding
-and dH the hidden's; per-device temp bytes stay far below one logits buffer at every TP degree while
-the weight's bytes shrink with it; a sharded hidden dimension, and vmap under the mesh, are refused."""
+"""rlk_xla.linear_logp under jax.jit with NamedSharding inputs and no shard_map (GSPMD / Shardy;
+rlk_xla.gspmd), on 4 and 8 CPU devices, with the mesh set (jax.set_mesh), with no mesh set (plain
+jit, as MaxText, Tunix and Levanter call it) and under the deprecated `with mesh:`: the vocab sharded
+over "tp" (rows over "dp" too) compiles with no all-gather, gives the shard_map path's bits (logp,
+entropy and the gradients of hidden, weight, bias and a per-token temperature, backward="lean"), dW
+keeps the weight's sharding and dH the hidden's; a nucleus (keep_mask, or keep_ids) sharded like
+(rows, vocab), replicated, or sharded otherwise (resharded) gives the shard_map path's bits, an
+empty nucleus's NaN and an outside target's -inf included; an unsharded single-device jit compiles
+to the program it had before GSPMD was engaged outside a set mesh; per-device temp bytes stay far
+below one logits buffer at every TP degree while the weight's bytes shrink with it; a sharded hidden
+dimension, and vmap under the mesh, are refused."""
+import contextlib
+import functools
+import re
+import warnings
+
 import pytest
 
 jax = pytest.importorskip("jax", reason="jax is not installed: these tests need it")
@@ -14,6 +24,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import rlk_xla
+from rlk_xla import gspmd
+from rlk_xla._compat import shard_map
 from rlk_xla.parallel import vocab_parallel_linear_logp
 
 pytestmark = pytest.mark.skipif(len(jax.devices("cpu")) < 8, reason="needs 8 CPU devices (tests/conftest.py)")
@@ -57,13 +69,31 @@ def _placed(mesh, rows):
                                                                       strict=True)]
 
 
-@pytest.mark.parametrize("name", list(MESHES))
-def test_gspmd_gives_the_shard_map_bits_with_no_all_gather(name):
+@contextlib.contextmanager
+def _context(how, mesh):
+    """How the caller sets (or does not set) the mesh around a jit over NamedSharding inputs."""
+    if how == "set_mesh":
+        with jax.set_mesh(mesh):
+            yield
+    elif how == "with_mesh":  # deprecated in jax >= 0.7, still used (MaxText)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            with mesh:
+                yield
+    else:  # plain jit: the mesh only in the arrays' shardings
+        yield
+
+
+CASES = [(name, "set_mesh") for name in MESHES] + [(name, "plain") for name in MESHES] + [("tp4", "with_mesh")]
+
+
+@pytest.mark.parametrize(("name", "how"), CASES)
+def test_gspmd_gives_the_shard_map_bits_with_no_all_gather(name, how):
     mesh = _mesh(name)
     rows = "dp" if "dp" in mesh.axis_names else None
     args = _placed(mesh, rows)
     f = _loss(rlk_xla.linear_logp)
-    with jax.set_mesh(mesh):
+    with _context(how, mesh):
         (_, (logp, ent)), grads = f(*args)
         hlo = f.lower(*args).compile().as_text()
     assert "all-gather" not in hlo
@@ -118,3 +148,134 @@ def test_vmap_under_a_set_mesh_is_refused_with_the_fix():
     hidden, weight, _, _, targets, _ = _inputs()
     with jax.set_mesh(mesh), pytest.raises(ValueError, match="leading dims"):
         jax.jit(jax.vmap(lambda h, t: rlk_xla.linear_logp(h, weight, t)))(hidden[None], targets[None])
+
+
+def _program(f, *args):
+    """Compiled HLO text without source locations (file paths and line numbers) and module name."""
+    text = re.sub(r", metadata=\{[^}]*\}", "", f.lower(*args).compile().as_text())
+    return [line for line in text.splitlines()
+            if not re.match(r"^(HloModule|\d+ |FileNames|FunctionNames|FileLocations|StackFrames)", line)]
+
+
+def test_an_unsharded_single_device_jit_keeps_its_program(monkeypatch):
+    hidden, weight, bias, temp, targets, g = _inputs()
+    keep = jax.random.uniform(jax.random.key(1), (N, V)) < 0.5
+
+    def loss(hidden, weight, bias, temp):
+        logp, ent = rlk_xla.linear_logp(hidden, weight, targets, bias=bias, temperature=temp, real_vocab_size=REAL,
+                                        return_entropy=True, keep_mask=keep)
+        return (logp * g).sum() + ent.sum()
+    f = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3)))
+    args = (hidden, weight, bias, temp)
+    assert not gspmd.engaged(*args)  # eight devices here, the arrays on one of them
+    engaged_program, out = _program(f, *args), f(*args)
+    monkeypatch.setattr(gspmd, "engaged", lambda *a: False)
+    f = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3)))
+    assert _program(f, *args) == engaged_program
+    for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(f(*args)), strict=True):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+def test_eager_sharded_call_outside_jit():
+    mesh = _mesh("tp4")
+    hidden, weight, bias, temp, targets, _ = _placed(mesh, None)
+    kw = {"bias": bias, "temperature": temp, "real_vocab_size": REAL}
+    got = rlk_xla.linear_logp(hidden, weight, targets, **kw)
+    want = vocab_parallel_linear_logp(hidden, weight, targets, mesh=mesh, vocab_axis="tp", **kw)
+    np.testing.assert_array_equal(got, want)
+
+
+def _nucleus(targets):
+    """keep [N, V] bool (about 30% of the real vocab, every valid target kept), with row 1's target
+    outside its nucleus and row 2 keeping nothing."""
+    keep = np.array(jax.random.uniform(jax.random.key(7), (N, V)) < 0.3)
+    keep[:, REAL:] = False
+    t = np.asarray(targets)
+    keep[np.arange(N)[t >= 0], t[t >= 0]] = True
+    keep[1, t[1]] = False
+    keep[2] = False
+    assert t[1] >= 0 and t[2] >= 0
+    return keep
+
+
+def _nucleus_loss(call):
+    def f(hidden, weight, bias, temp, targets, g, keep):
+        logp, ent = call(hidden, weight, targets, keep, bias=bias, temperature=temp)
+        return (jnp.where(jnp.isfinite(logp), logp, 0) * g).sum() + 0.5 * ent.sum(), (logp, ent)
+    return jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2, 3), has_aux=True))
+
+
+NUCLEUS_CASES = [(name, how, spec) for name, how in (("tp4", "plain"), ("tp4", "set_mesh"), ("dp2_tp2", "plain"))
+                 for spec in ("rows_vocab", "replicated", "ids")] + [("dp2_tp2", "plain", "transposed")]
+
+
+@pytest.mark.parametrize(("name", "how", "keep_spec"), NUCLEUS_CASES)
+def test_nucleus_gives_the_shard_map_bits(name, how, keep_spec):
+    mesh = _mesh(name)
+    rows = "dp" if "dp" in mesh.axis_names else None
+    args = _placed(mesh, rows)
+    keep = _nucleus(args[4])
+    # transposed: rows over the vocab axis and the vocab over the rows' (resharded to (rows, vocab))
+    spec = {"rows_vocab": P(rows, "tp"), "replicated": P(), "transposed": P("tp", "dp"), "ids": P(rows)}[keep_spec]
+    if keep_spec == "ids":  # each row's kept ids, -1 padded
+        width = int(keep.sum(1).max())
+        ids = np.full((N, width), -1, np.int32)
+        for i, row in enumerate(keep):
+            ids[i, :row.sum()] = np.flatnonzero(row)
+        nucleus = jax.device_put(ids, NamedSharding(mesh, spec))
+
+        def gspmd_call(hidden, weight, targets, nucleus, **kw):
+            return rlk_xla.linear_logp(hidden, weight, targets, keep_ids=nucleus, real_vocab_size=REAL,
+                                       return_entropy=True, **kw)
+    else:
+        nucleus = jax.device_put(keep, NamedSharding(mesh, spec))
+
+        def gspmd_call(hidden, weight, targets, nucleus, **kw):
+            return rlk_xla.linear_logp(hidden, weight, targets, keep_mask=nucleus, real_vocab_size=REAL,
+                                       return_entropy=True, **kw)
+    f = _nucleus_loss(gspmd_call)
+    with _context(how, mesh):
+        (_, (logp, ent)), grads = f(*args, nucleus)
+        hlo = f.lower(*args, nucleus).compile().as_text()
+    assert not [line for line in hlo.splitlines() if "all-gather" in line and f"[{V},{H}]" in line]  # of the weight
+    assert logp[1] == -np.inf and np.isnan(logp[2])
+
+    def local(hidden, weight, targets, keep, bias, temp):
+        return rlk_xla.linear_logp(hidden, weight, targets, bias=bias, temperature=temp, real_vocab_size=REAL,
+                                   return_entropy=True, keep_mask=keep, axis_name="tp", backward="lean")
+
+    def shard_map_path(hidden, weight, targets, keep, *, bias, temperature):
+        tok = P(rows)
+        return shard_map(local, mesh=mesh, in_specs=(tok, P("tp"), tok, P(rows, "tp"), P("tp"), tok),
+                         out_specs=(tok, tok))(hidden, weight, targets, keep, bias, temperature)
+    (_, (logp_sm, ent_sm)), grads_sm = _nucleus_loss(shard_map_path)(*args, jax.device_put(keep, NamedSharding(
+        mesh, P(rows, "tp"))))
+    np.testing.assert_array_equal(logp, logp_sm)
+    np.testing.assert_array_equal(ent, ent_sm)
+    for got, ref in zip(grads, grads_sm, strict=True):
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(ref, np.float32))
+
+
+def test_a_wrong_nucleus_is_refused_under_gspmd():
+    mesh = _mesh("tp4")
+    hidden, weight, _, _, targets, _ = _placed(mesh, None)
+    keep = jnp.ones((N, V - 1), jnp.bool_)
+    with pytest.raises(ValueError, match="keep_mask must be bool"):
+        jax.jit(lambda h, w, t, k: rlk_xla.linear_logp(h, w, t, keep_mask=k))(hidden, weight, targets, keep)
+
+
+def test_with_mesh_and_in_shardings_over_host_arrays():
+    """The deprecated `with mesh:` around jit(in_shardings=...) over uncommitted arrays (whose avals
+    carry no mesh): the context's mesh engages GSPMD."""
+    mesh = _mesh("tp4")
+    args = _inputs()
+    shardings = [NamedSharding(mesh, s) for s in (P(), P("tp", None), P("tp"), P(), P(), P())]
+    f = jax.jit(_loss(rlk_xla.linear_logp), in_shardings=shardings)
+    with _context("with_mesh", mesh):
+        (_, (logp, ent)), grads = f(*args)
+        hlo = f.lower(*args).compile().as_text()
+    assert "all-gather" not in hlo
+    (_, (logp_sm, ent_sm)), grads_sm = _loss(functools.partial(
+        vocab_parallel_linear_logp, mesh=mesh, vocab_axis="tp", backward="lean"))(*_placed(mesh, None))
+    for got, ref in zip((logp, ent, *grads), (logp_sm, ent_sm, *grads_sm), strict=True):
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(ref, np.float32))
