@@ -31,8 +31,9 @@ it. The partition callbacks read the operands' shardings:
 - nothing sharded (every operand replicated over the mesh): every device runs the whole call (the
   per-shard program with no vocab axis);
 - refused with a clear error: the hidden dimension sharded (of hidden or of the weight), the
-  vocab sharded over several axes, the vocab axis also sharding the rows, and vmap (custom_partitioning
-  has no batching rule).
+  vocab sharded over several axes, the vocab axis also sharding the rows, an operand sharded with
+  no mesh axis names (a GSPMDSharding: which axis is the vocab's cannot be told), and vmap
+  (custom_partitioning has no batching rule).
 
 The backward recomputes the forward statistics on each shard (the "lean" backward; bits equal the
 shard_map path with backward="lean"); backward="fast" is not kept under GSPMD.
@@ -149,7 +150,12 @@ def _layout(arg_shapes):
     operands' shardings (hidden's and the weight's), or a clear error."""
     def spec(i):
         s, ndim = arg_shapes[i].sharding, len(arg_shapes[i].shape)
-        return (tuple(s.spec) + (None,) * ndim)[:ndim] if hasattr(s, "spec") else (None,) * ndim
+        if not hasattr(s, "spec"):  # no mesh at lowering: a sharding with no axis names
+            if s.is_fully_replicated:
+                return (None,) * ndim
+            raise ValueError(f"rlk_xla.linear_logp under GSPMD: operand {i} is sharded ({s}) with no mesh to name "
+                             "its axes: place the operands with NamedSharding, or set the mesh (jax.set_mesh)")
+        return (tuple(s.spec) + (None,) * ndim)[:ndim]
     hs, ws = spec(0), spec(1)
     if hs[1] is not None or ws[1] is not None:
         raise ValueError(f"rlk_xla.linear_logp under GSPMD: the hidden dimension is sharded (hidden {P(*hs)}, weight "

@@ -143,10 +143,13 @@ def test_sharded_hidden_dimension_is_refused():
         jax.jit(lambda h, w, t: rlk_xla.linear_logp(h, w, t))(hidden, weight, targets)
 
 
-def test_vmap_under_a_set_mesh_is_refused_with_the_fix():
+@pytest.mark.parametrize("how", ["set_mesh", "plain"])
+def test_vmap_under_gspmd_is_refused_with_the_fix(how):
     mesh = _mesh("tp4")
     hidden, weight, _, _, targets, _ = _inputs()
-    with jax.set_mesh(mesh), pytest.raises(ValueError, match="leading dims"):
+    if how == "plain":
+        weight = jax.device_put(weight, NamedSharding(mesh, P("tp", None)))
+    with _context(how, mesh), pytest.raises(ValueError, match="leading dims"):
         jax.jit(jax.vmap(lambda h, t: rlk_xla.linear_logp(h, weight, t)))(hidden[None], targets[None])
 
 
@@ -279,3 +282,15 @@ def test_with_mesh_and_in_shardings_over_host_arrays():
         vocab_parallel_linear_logp, mesh=mesh, vocab_axis="tp", backward="lean"))(*_placed(mesh, None))
     for got, ref in zip((logp, ent, *grads), (logp_sm, ent_sm, *grads_sm), strict=True):
         np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(ref, np.float32))
+
+
+def test_a_sharding_with_no_axis_names_is_refused():
+    """A weight placed with a GSPMDSharding (device tiles, no mesh axis names; jax's internal
+    sharding) cannot name the vocab axis: a clear error, not a silent gather of the weight."""
+    sharding_impls = pytest.importorskip("jax._src.sharding_impls", reason="jax's internal shardings moved")
+    mesh = _mesh("tp4")
+    hidden, weight, _, _, targets, _ = _inputs()
+    tiles = NamedSharding(mesh, P("tp", None))._to_xla_hlo_sharding(2)
+    weight = jax.device_put(weight, sharding_impls.GSPMDSharding(tuple(mesh.devices.flat), tiles))
+    with jax.set_mesh(mesh), pytest.raises(Exception, match="no mesh to name its axes"):
+        jax.jit(lambda h, w, t: rlk_xla.linear_logp(h, w, t)).lower(hidden, weight, targets).compile()
