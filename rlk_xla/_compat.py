@@ -59,10 +59,15 @@ def psum_to(ct, like, axis_name):
 
 def aval_mesh(x):
     """The mesh an array's abstract value carries (under jax.jit, a NamedSharding argument's or a
-    sharding-constrained value's), or None: not an array, or a jax whose avals carry no sharding."""
+    sharding-constrained value's), or None: not a JAX value (the argument checks name it later), or a
+    jax whose avals carry no sharding."""
     if not hasattr(x, "shape") or not hasattr(jax, "typeof"):
         return None
-    return getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None)
+    try:
+        aval = jax.typeof(x)
+    except TypeError:  # a torch tensor, say
+        return None
+    return getattr(getattr(aval, "sharding", None), "mesh", None)
 
 
 def legacy_mesh_size() -> int:
