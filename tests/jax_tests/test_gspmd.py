@@ -111,7 +111,7 @@ def test_gspmd_gives_the_shard_map_bits_with_no_all_gather(name, how):
     assert dh.sharding.is_equivalent_to(args[0].sharding, 2)
 
 
-def _per_device_bytes(tp, n=256, h=256, v=32768):
+def _per_device_bytes(tp, how, n=256, h=256, v=32768):
     mesh = _mesh("tp8") if tp == 8 else jax.make_mesh((tp,), ("tp",), axis_types=(jax.sharding.AxisType.Auto,),
                                                        devices=jax.devices("cpu")[:tp])
     shapes = (((n, h), jnp.bfloat16, P()), ((v, h), jnp.bfloat16, P("tp", None)), ((n,), jnp.int32, P()))
@@ -120,16 +120,20 @@ def _per_device_bytes(tp, n=256, h=256, v=32768):
     def loss(hidden, weight, targets):
         logp, ent = rlk_xla.linear_logp(hidden, weight, targets, return_entropy=True)
         return logp.sum() + ent.sum()
-    with jax.set_mesh(mesh):
+    with _context(how, mesh):
         stats = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(*args).compile().memory_analysis()
     return stats.temp_size_in_bytes, stats.argument_size_in_bytes, n * v * 2
 
 
-def test_per_device_memory_with_the_tp_degree():
-    measured = {tp: _per_device_bytes(tp) for tp in (1, 2, 4, 8)}
+@pytest.mark.parametrize("how", ["set_mesh", "plain"])
+def test_per_device_memory_with_the_tp_degree(how):
+    measured = {tp: _per_device_bytes(tp, how) for tp in (1, 2, 4, 8)}
     for tp, (temp, arg, logits) in measured.items():
-        # no [n, V] nor [n, V / tp] buffer: the statistics exchange is O(n * V / chunk)
-        assert temp < logits / 8, (tp, temp)
+        # no [n, V] nor [n, V / tp] buffer: the statistics exchange is O(n * V / chunk). A
+        # one-device mesh with no mesh set is the single-device program (not engaged), whose
+        # backward="auto" may save the logits (the fast backward) within its memory budget.
+        if tp > 1 or how == "set_mesh":
+            assert temp < logits / 8, (tp, temp)
         if tp > 1:
             assert temp <= measured[2][0]  # constant beyond TP = 2: nothing vocab-sized to shrink
             assert arg < measured[tp // 2][1]  # the weight shard halves
