@@ -1,8 +1,8 @@
 """linear_logp under jax.jit with sharded inputs and no shard_map (GSPMD / Shardy): the op
 partitions itself.
 
-Engaged by rlk_xla.linear_logp (axis_name=None) when no mesh axis is manual (not inside shard_map)
-and a mesh of several devices is in sight (engaged()): set with `jax.set_mesh(mesh)` or the
+Engaged by rlk_xla.linear_logp (axis_name=None) on its fused route when no mesh axis is manual (not
+inside shard_map) and a mesh of several devices is in sight (engaged()): set with `jax.set_mesh(mesh)` or the
 deprecated `with mesh:`, or carried by an operand. Under plain `jax.jit(f)(hidden, weight, targets)`
 over `jax.device_put(x, NamedSharding(mesh, ...))` arrays (how MaxText, Tunix and Levanter call it)
 no mesh is set, but the abstract value of a NamedSharding argument, and of a value derived from one
@@ -36,7 +36,11 @@ it. The partition callbacks read the operands' shardings:
   (custom_partitioning has no batching rule).
 
 The backward recomputes the forward statistics on each shard (the "lean" backward; bits equal the
-shard_map path with backward="lean"); backward="fast" is not kept under GSPMD.
+shard_map path with backward="lean"); backward="fast" is not kept under GSPMD. The reference routes
+(mode="off", auto's fallbacks) are not partitioned here: they are jnp, which GSPMD partitions
+itself, and they count through host callbacks (jax.debug.callback), as audit records its reference
+beside the kernels; a callback inside a custom_partitioning body crashes jax 0.10's CPU runtime
+(SIGSEGV), so the per-shard program runs the kernels alone (mode="strict").
 """
 from __future__ import annotations
 
@@ -83,7 +87,6 @@ class _Opts:
     temperature: float       # when not an array
     ignore_index: int
     real_vocab: int          # of the global vocab
-    mode: object
     has_keep: bool           # a nucleus (keep_mask) follows targets among the operands
 
     def split(self, rest):
@@ -92,17 +95,17 @@ class _Opts:
         return (keep, rest[0] if self.has_bias else None, rest[-1] if self.temp_array else self.temperature)
 
 
-def linear_logp(hidden, weight, targets, *, bias, temperature, ignore_index, real_vocab_size, return_entropy, mode,
-                keep_mask=None):
-    """rlk_xla.linear_logp's contract over GSPMD-sharded operands (module docstring)."""
+def linear_logp(hidden, weight, targets, *, bias, temperature, ignore_index, real_vocab_size, keep_mask=None):
+    """(logp, entropy) of rlk_xla.linear_logp's fused route over GSPMD-sharded operands (module
+    docstring), the arguments checked by it; keep_mask [*targets.shape, V] bool or None."""
     out_shape = targets.shape
-    keep = () if keep_mask is None else (_keep_rows(keep_mask, out_shape, weight.shape[0]),)
+    keep = () if keep_mask is None else (keep_mask.reshape(-1, weight.shape[0]),)
     h2 = hidden.reshape(-1, hidden.shape[-1])
     t1 = targets.reshape(-1)
     temp_array = not isinstance(temperature, (int, float))
     opts = _Opts(has_bias=bias is not None, temp_array=temp_array,
                  temperature=1.0 if temp_array else float(temperature), ignore_index=int(ignore_index),
-                 real_vocab=int(weight.shape[0] if real_vocab_size is None else real_vocab_size), mode=mode,
+                 real_vocab=int(weight.shape[0] if real_vocab_size is None else real_vocab_size),
                  has_keep=keep_mask is not None)
     extras = ((bias,) if bias is not None else ()) + ((jnp.asarray(temperature).reshape(-1),) if temp_array else ())
     try:
@@ -113,17 +116,7 @@ def linear_logp(hidden, weight, targets, *, bias, temperature, ignore_index, rea
         raise ValueError("rlk_xla.linear_logp under GSPMD (a mesh set, or operands sharded over one) does not run "
                          "under vmap (custom_partitioning has no batching rule): pass the batch as leading dims of "
                          "hidden and targets (any [..., H] works)") from err
-    logp, ent = logp.reshape(out_shape), ent.reshape(out_shape)
-    return (logp, ent) if return_entropy else logp
-
-
-def _keep_rows(keep_mask, out_shape, vocab):
-    """keep_mask [*targets.shape, V] bool -> [n, V], or a clear error."""
-    want = (*out_shape, vocab)
-    if jnp.dtype(keep_mask.dtype) != jnp.bool_ or tuple(keep_mask.shape) != want:
-        raise ValueError(f"keep_mask must be bool shaped like targets plus the vocab, {want}, got "
-                         f"{tuple(keep_mask.shape)} {jnp.dtype(keep_mask.dtype)}")
-    return keep_mask.reshape(-1, vocab)
+    return logp.reshape(out_shape), ent.reshape(out_shape)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -191,7 +184,7 @@ def _local_call(opts, vocab):
         keep, bias, temp = opts.split(rest)
         with _per_shard():
             return op(hidden, weight, targets, bias=bias, temperature=temp, ignore_index=opts.ignore_index,
-                      real_vocab_size=opts.real_vocab, return_entropy=True, mode=opts.mode, axis_name=vocab,
+                      real_vocab_size=opts.real_vocab, return_entropy=True, mode="strict", axis_name=vocab,
                       backward="lean", keep_mask=keep)
     return call
 
@@ -264,7 +257,7 @@ def _backward(opts):
             *rest, g, e = rest
             keep, bias, temp = opts.split(rest)
             temps = (temp,) if opts.temp_array else ()
-            if opts.has_bias and opts.mode != "off":
+            if opts.has_bias:
                 f = _rows_f32_bias(opts, vocab)
                 diff = (hidden, weight, bias.astype(jnp.float32), *temps)
                 _, vjp = jax.vjp(lambda h, w, b, *t: f(h, w, targets, keep, b, t[0] if t else temp), *diff)

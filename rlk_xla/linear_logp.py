@@ -56,36 +56,37 @@ def linear_logp(hidden, weight, targets, *, bias=None, temperature=1.0, ignore_i
     sharded over the vocab runs the shard_map path's per-shard program, no all-gather of the weight;
     keep_mask and keep_ids then span the global vocab).
     keep_mask: a top-p nucleus, bool [..., V_local] (targets' shape, then this device's vocab shard;
-    under GSPMD the global vocab), or None: torch_bridge.linear_logp's semantics and kernels (logp renormalized over each row's kept
-    ids, -inf for a target outside them, NaN for a row that keeps nothing, the entropy the whole
-    distribution's; gradients of both; TP invariant under shard_map).
+    under GSPMD the global vocab), or None: torch_bridge.linear_logp's semantics and kernels (logp
+    renormalized over each row's kept ids, -inf for a target outside them, NaN for a row that keeps
+    nothing, the entropy the whole distribution's; gradients of both; TP invariant under shard_map).
     keep_ids: the nucleus as kept ids, int [..., K] (targets' shape plus K), -1 padded, global vocab
     ids, a repeated one counted once: the keep_mask they stand for (this shard's columns; the same kernels and bits as
     torch_bridge's keep_ids); not with keep_mask.
     """
     mode = routes.resolve_mode(mode)
     return_entropy = common.check_flag("return_entropy", return_entropy)
-    if axis_name is None and vocab_start is None and gspmd.engaged(hidden, weight, targets, bias, temperature,
-                                                                   keep_mask, keep_ids):
-        if keep_ids is not None:
-            if keep_mask is not None:
-                raise ValueError("rlk_xla.linear_logp: pass keep_ids or keep_mask, not both")
-            keep_mask = _mask_of(keep_ids, targets, jnp.shape(weight)[0], 0)
-        return gspmd.linear_logp(hidden, weight, targets, bias=bias, temperature=temperature, ignore_index=ignore_index,
-                                 real_vocab_size=real_vocab_size, return_entropy=return_entropy, mode=mode,
-                                 keep_mask=keep_mask)
     a = parse(hidden, weight, targets, bias=bias, temperature=temperature, ignore_index=ignore_index,
               vocab_start=vocab_start, real_vocab_size=real_vocab_size, axis_name=axis_name)
     n = a.hidden.shape[0]
     if keep_ids is not None:
         if keep_mask is not None:
             raise ValueError("rlk_xla.linear_logp: pass keep_ids or keep_mask, not both")
-        keep_mask = _mask_of(keep_ids, targets, a.weight.shape[0], a.vocab_start)
+        keep_mask = _mask_of(keep_ids, targets, a)
     keep = _keep(keep_mask, targets, a)
     strategy = resolve_backward(backward, a, backward_memory_budget)
     route = common.route_call(mode, n, _unsupported(a), "rlk_xla.linear_logp", a.hidden.shape[1])
     if route.fused:
-        logp, ent = fused_rows(a, return_entropy, save_logits=strategy == "fast", keep=keep)
+        if axis_name is None and vocab_start is None and gspmd.engaged(hidden, weight, targets, bias, temperature,
+                                                                       keep_mask, keep_ids):
+            # The kernels partitioned over the operands' shardings. Only they: the reference routes
+            # are jnp, which GSPMD partitions itself, and count and audit through host callbacks,
+            # which a custom_partitioning body cannot hold (jax 0.10's CPU runtime crashes).
+            logp, ent = gspmd.linear_logp(hidden, weight, targets, bias=bias, temperature=temperature,
+                                          ignore_index=ignore_index, real_vocab_size=real_vocab_size,
+                                          keep_mask=keep_mask)
+            logp, ent = logp.reshape(-1), ent.reshape(-1)
+        else:
+            logp, ent = fused_rows(a, return_entropy, save_logits=strategy == "fast", keep=keep)
         if route.audit:
             ref_logp, _ = reference.rows(a, False, keep)
             routes.record_audit(logp, lax.stop_gradient(ref_logp))
@@ -108,16 +109,16 @@ def _keep(keep_mask, targets, a: Args):
     return keep_mask.reshape(a.hidden.shape[0], a.weight.shape[0]).astype(jnp.uint8)
 
 
-def _mask_of(keep_ids, targets, v_local, vocab_start):
-    """bool [*targets.shape, v_local]: True at the columns [vocab_start, vocab_start + v_local) of
-    each row's kept ids (-1: none)."""
+def _mask_of(keep_ids, targets, a: Args):
+    """bool [*targets.shape, V_local]: True at this shard's columns of each row's kept ids (-1: none)."""
     ts = tuple(jnp.shape(targets))
     if not jnp.issubdtype(jnp.result_type(keep_ids), jnp.integer):
         raise TypeError(f"keep_ids must be integers, got {jnp.result_type(keep_ids)}")
     if jnp.ndim(keep_ids) != len(ts) + 1 or tuple(jnp.shape(keep_ids)[:-1]) != ts:
         raise ValueError(f"keep_ids must be targets' shape plus K, {(*ts, 'K')}, got {tuple(jnp.shape(keep_ids))}")
+    v_local = a.weight.shape[0]
     ids = jnp.asarray(keep_ids).reshape(-1, jnp.shape(keep_ids)[-1])
-    local = ids - vocab_start
+    local = ids - a.vocab_start
     col = jnp.where((ids >= 0) & (local >= 0) & (local < v_local), local, v_local)  # column v_local: the rest
     rows = jnp.arange(ids.shape[0])[:, None]
     mask = jnp.zeros((ids.shape[0], v_local + 1), jnp.bool_).at[rows, col].set(True)

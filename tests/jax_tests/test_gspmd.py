@@ -298,3 +298,31 @@ def test_a_sharding_with_no_axis_names_is_refused():
     weight = jax.device_put(weight, sharding_impls.GSPMDSharding(tuple(mesh.devices.flat), tiles))
     with jax.set_mesh(mesh), pytest.raises(Exception, match="no mesh to name its axes"):
         jax.jit(lambda h, w, t: rlk_xla.linear_logp(h, w, t)).lower(hidden, weight, targets).compile()
+
+
+@pytest.mark.parametrize("how", ["plain", "set_mesh"])
+@pytest.mark.parametrize("mode", ["off", "audit"])
+def test_reference_routes_under_gspmd(mode, how):
+    """mode="off" runs the jnp reference, which GSPMD partitions itself, counted; "audit" runs the
+    partitioned kernels (the shard_map path's bits) and records the reference beside them. Both
+    count through host callbacks, which stay out of the per-shard program (one there crashed)."""
+    mesh = _mesh("tp4")
+    args = _placed(mesh, None)
+    rlk_xla.reset_route_stats()
+    f = _loss(functools.partial(rlk_xla.linear_logp, mode=mode))
+    with _context(how, mesh):
+        (_, (logp, ent)), grads = f(*args)
+    jax.effects_barrier()
+    (_, (logp_sm, ent_sm)), grads_sm = _loss(functools.partial(
+        vocab_parallel_linear_logp, mesh=mesh, vocab_axis="tp", backward="lean"))(*args)
+    stats = rlk_xla.route_stats()
+    if mode == "off":
+        assert stats["reference"] == {"calls": 1, "tokens": N}
+        for got, ref in zip((logp, ent, *grads), (logp_sm, ent_sm, *grads_sm), strict=True):
+            tol = 2 ** -7 if got.dtype == jnp.bfloat16 else 1e-5  # a bf16 gradient's rounding, else fp32's
+            got, ref = np.asarray(got, np.float32), np.asarray(ref, np.float32)
+            np.testing.assert_allclose(got, ref, rtol=0, atol=tol * np.abs(ref).max())
+    else:
+        assert stats["audit"]["calls"] == 1 and stats["audit"]["rows"] == N
+        for got, ref in zip((logp, ent, *grads), (logp_sm, ent_sm, *grads_sm), strict=True):
+            np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(ref, np.float32))
