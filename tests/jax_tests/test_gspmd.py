@@ -3,12 +3,13 @@ rlk_xla.gspmd), on 4 and 8 CPU devices, with the mesh set (jax.set_mesh), with n
 jit, as MaxText, Tunix and Levanter call it) and under the deprecated `with mesh:`: the vocab sharded
 over "tp" (rows over "dp" too) compiles with no all-gather, gives the shard_map path's bits (logp,
 entropy and the gradients of hidden, weight, bias and a per-token temperature, backward="lean"), dW
-keeps the weight's sharding and dH the hidden's; a nucleus (keep_mask, or keep_ids) sharded like
-(rows, vocab), replicated, or sharded otherwise (resharded) gives the shard_map path's bits, an
-empty nucleus's NaN and an outside target's -inf included; an unsharded single-device jit compiles
-to the program it had before GSPMD was engaged outside a set mesh; per-device temp bytes stay far
-below one logits buffer at every TP degree while the weight's bytes shrink with it; a sharded hidden
-dimension, and vmap under the mesh, are refused."""
+keeps the weight's sharding and dH the hidden's, also under lax.scan and jax.checkpoint; a nucleus
+(keep_mask, or keep_ids) sharded like (rows, vocab), replicated, or sharded otherwise (resharded)
+gives the shard_map path's bits, an empty nucleus's NaN and an outside target's -inf included; the
+reference routes (mode="off", audit) run and count; an unsharded single-device jit compiles to the
+program it had before GSPMD was engaged outside a set mesh; per-device temp bytes stay far below one
+logits buffer at every TP degree while the weight's bytes shrink with it; a sharded hidden
+dimension, an operand sharded with no axis names, and vmap are refused."""
 import contextlib
 import functools
 import re
@@ -326,3 +327,26 @@ def test_reference_routes_under_gspmd(mode, how):
         assert stats["audit"]["calls"] == 1 and stats["audit"]["rows"] == N
         for got, ref in zip((logp, ent, *grads), (logp_sm, ent_sm, *grads_sm), strict=True):
             np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(ref, np.float32))
+
+
+@pytest.mark.parametrize("wrap", ["scan", "checkpoint"])
+def test_under_scan_and_checkpoint_in_plain_jit(wrap):
+    """Gradient accumulation over micro-batches (lax.scan) and rematerialization (jax.checkpoint)
+    around the call, no mesh set: no all-gather, dW sharded like the weight, the single-device
+    program's bits (TP invariance, backward="lean")."""
+    mesh = _mesh("tp4")
+    hidden, weight, _, _, targets, _ = _inputs()
+    hidden, targets = hidden[:21].reshape(3, 7, H), targets[:21].reshape(3, 7)
+
+    def loss(w):
+        call = functools.partial(rlk_xla.linear_logp, real_vocab_size=REAL, backward="lean")
+        if wrap == "scan":
+            return jax.lax.scan(lambda c, x: (c + call(x[0], w, x[1]).sum(), None), 0.0, (hidden, targets))[0]
+        return jax.checkpoint(lambda w: call(hidden, w, targets).sum())(w)
+    f = jax.jit(jax.value_and_grad(loss))
+    sharded = jax.device_put(weight, NamedSharding(mesh, P("tp", None)))
+    assert "all-gather" not in f.lower(sharded).compile().as_text()
+    (value, dw), (value_1, dw_1) = f(sharded), jax.jit(jax.value_and_grad(loss))(weight)
+    assert dw.sharding.is_equivalent_to(sharded.sharding, 2)
+    np.testing.assert_array_equal(value, value_1)
+    np.testing.assert_array_equal(np.asarray(dw, np.float32), np.asarray(dw_1, np.float32))
