@@ -8,9 +8,11 @@ over `jax.device_put(x, NamedSharding(mesh, ...))` arrays (how MaxText, Tunix an
 no mesh is set, but the abstract value of a NamedSharding argument, and of a value derived from one
 or constrained with with_sharding_constraint, keeps its mesh (jax >= 0.6), and that suffices: each
 half of the custom_vjp is a custom_partitioning op, and jax hands its partition callbacks the mesh
-and the operands' shardings at lowering, with or without a set mesh. Calls whose operands are on one
-device (a single-device program, eager or jitted, on a host with one device or many) are not
-engaged: their program is exactly the one without this module. Not seen: jit(in_shardings=...) over
+and the operands' shardings at lowering, with or without a set mesh. With no mesh set, calls whose
+operands are on one device (a single-device program, eager or jitted, on a host with one device or
+many) are not engaged: their program is exactly the one without this module. (Under a set mesh or
+`with mesh:` they are, and custom_partitioning inlines the per-device program on one device: the
+lean backward.) Not seen: jit(in_shardings=...) over
 uncommitted arrays with no mesh set (their abstract values carry no mesh, and which custom_vjp to
 build is decided when tracing): the call is then the single-device program, which GSPMD partitions
 by gathering the weight; set the mesh, or pass arrays already placed (jax.device_put), to partition
