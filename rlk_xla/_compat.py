@@ -55,3 +55,26 @@ def psum_to(ct, like, axis_name):
         extra = tuple(sorted(vma(ct) - vma(like)))
         return lax.psum(ct, extra) if extra else ct
     return lax.psum(ct, axis_name)  # pragma: no cover - jax without varying types
+
+
+def aval_mesh(x):
+    """The mesh an array's abstract value carries (under jax.jit, a NamedSharding argument's or a
+    sharding-constrained value's), or None: not a JAX value (the argument checks name it later), or a
+    jax whose avals carry no sharding."""
+    if not hasattr(x, "shape") or not hasattr(jax, "typeof"):
+        return None
+    try:
+        aval = jax.typeof(x)
+    except TypeError:  # a torch tensor, say
+        return None
+    return getattr(getattr(aval, "sharding", None), "mesh", None)
+
+
+def legacy_mesh_size() -> int:
+    """The device count of the deprecated `with mesh:` context's mesh (1 when none is entered)."""
+    try:
+        from jax._src.mesh import thread_resources
+    except ImportError:  # pragma: no cover - a jax without it: the form is not seen
+        return 1
+    mesh = thread_resources.env.physical_mesh
+    return 1 if mesh.empty else mesh.size

@@ -51,25 +51,20 @@ def linear_logp(hidden, weight, targets, *, bias=None, temperature=1.0, ignore_i
     route_stats()) is rlk_common.route_call's docstring.
     backward: the gradient's strategy, "auto" (default), "fast" or "lean", with
     backward_memory_budget (bytes) the budget of auto: rlk_common.resolve_backward's docstring.
-    Under jax.jit with a mesh set (jax.set_mesh) and no shard_map, the op partitions itself over
-    its operands' shardings (rlk_xla.gspmd: the weight sharded over the vocab runs the shard_map
-    path's per-shard program, no all-gather of the weight).
-    keep_mask: a top-p nucleus, bool [..., V_local] (targets' shape, then this device's vocab shard),
-    or None: torch_bridge.linear_logp's semantics and kernels (logp renormalized over each row's kept
-    ids, -inf for a target outside them, NaN for a row that keeps nothing, the entropy the whole
-    distribution's; gradients of both; TP invariant under shard_map).
+    Under jax.jit over NamedSharding operands (a mesh set with jax.set_mesh or not) and no
+    shard_map, the op partitions itself over its operands' shardings (rlk_xla.gspmd: the weight
+    sharded over the vocab runs the shard_map path's per-shard program, no all-gather of the weight;
+    keep_mask and keep_ids then span the global vocab).
+    keep_mask: a top-p nucleus, bool [..., V_local] (targets' shape, then this device's vocab shard;
+    under GSPMD the global vocab), or None: torch_bridge.linear_logp's semantics and kernels (logp
+    renormalized over each row's kept ids, -inf for a target outside them, NaN for a row that keeps
+    nothing, the entropy the whole distribution's; gradients of both; TP invariant under shard_map).
     keep_ids: the nucleus as kept ids, int [..., K] (targets' shape plus K), -1 padded, global vocab
     ids, a repeated one counted once: the keep_mask they stand for (this shard's columns; the same kernels and bits as
     torch_bridge's keep_ids); not with keep_mask.
     """
     mode = routes.resolve_mode(mode)
     return_entropy = common.check_flag("return_entropy", return_entropy)
-    if axis_name is None and vocab_start is None and gspmd.engaged():
-        if keep_mask is not None or keep_ids is not None:
-            raise ValueError("rlk_xla.linear_logp: keep_mask and keep_ids are not served under GSPMD partitioning yet: call it "
-                             "inside shard_map (axis_name=) or outside the mesh")
-        return gspmd.linear_logp(hidden, weight, targets, bias=bias, temperature=temperature, ignore_index=ignore_index,
-                                 real_vocab_size=real_vocab_size, return_entropy=return_entropy, mode=mode)
     a = parse(hidden, weight, targets, bias=bias, temperature=temperature, ignore_index=ignore_index,
               vocab_start=vocab_start, real_vocab_size=real_vocab_size, axis_name=axis_name)
     n = a.hidden.shape[0]
@@ -81,7 +76,17 @@ def linear_logp(hidden, weight, targets, *, bias=None, temperature=1.0, ignore_i
     strategy = resolve_backward(backward, a, backward_memory_budget)
     route = common.route_call(mode, n, _unsupported(a), "rlk_xla.linear_logp", a.hidden.shape[1])
     if route.fused:
-        logp, ent = fused_rows(a, return_entropy, save_logits=strategy == "fast", keep=keep)
+        if axis_name is None and vocab_start is None and gspmd.engaged(hidden, weight, targets, bias, temperature,
+                                                                       keep_mask, keep_ids):
+            # The kernels partitioned over the operands' shardings. Only they: the reference routes
+            # are jnp, which GSPMD partitions itself, and count and audit through host callbacks,
+            # which a custom_partitioning body cannot hold (jax 0.10's CPU runtime crashes).
+            logp, ent = gspmd.linear_logp(hidden, weight, targets, bias=bias, temperature=temperature,
+                                          ignore_index=ignore_index, real_vocab_size=real_vocab_size,
+                                          keep_mask=keep_mask)
+            logp, ent = logp.reshape(-1), ent.reshape(-1)
+        else:
+            logp, ent = fused_rows(a, return_entropy, save_logits=strategy == "fast", keep=keep)
         if route.audit:
             ref_logp, _ = reference.rows(a, False, keep)
             routes.record_audit(logp, lax.stop_gradient(ref_logp))

@@ -41,11 +41,13 @@ def rows(a: Args, with_entropy: bool, keep=None):
     gid = a.vocab_start + jnp.arange(a.weight.shape[0])
     pad = gid[None, :] >= a.real_vocab
     z = jnp.where(pad, -jnp.inf, z)
-    reduce_max = (lambda x: lax.pmax(x, a.axis_name)) if a.axis_name else (lambda x: x)
+    # The row max is a constant of the math (no gradient), stopped before the cross-shard max:
+    # pmax has no differentiation rule.
+    reduce_max = (lambda x: lax.pmax(lax.stop_gradient(x), a.axis_name)) if a.axis_name else lax.stop_gradient
     reduce_sum = (lambda x: lax.psum(x, a.axis_name)) if a.axis_name else (lambda x: x)
     # Everything relative to the row max m: log s and sum e^(z-m) (z-m) keep full fp32 accuracy
     # where lse - sum p z would cancel (peaked rows), as the kernels' statistics do.
-    m = lax.stop_gradient(reduce_max(jnp.max(z, axis=-1)))
+    m = reduce_max(jnp.max(z, axis=-1))
     zm = z - m[:, None]
     ez = jnp.exp(zm)
     s = reduce_sum(jnp.sum(ez, axis=-1))
@@ -71,7 +73,7 @@ def rows(a: Args, with_entropy: bool, keep=None):
 def _nucleus_logp(a: Args, z, nucleus, local, idx, valid, reduce_max, reduce_sum):
     """logp over each row's kept ids: -inf for a target outside them, NaN for a row keeping none."""
     zk = jnp.where(nucleus, z, -jnp.inf)
-    mk = lax.stop_gradient(reduce_max(jnp.max(zk, axis=-1)))
+    mk = reduce_max(jnp.max(zk, axis=-1))
     mk_safe = jnp.where(jnp.isfinite(mk), mk, 0.0)
     sk = reduce_sum(jnp.sum(jnp.exp(zk - mk_safe[:, None]), axis=-1))
     pick = lambda x: jnp.take_along_axis(x, idx[:, None], axis=-1)[:, 0]  # noqa: E731
