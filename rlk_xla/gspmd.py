@@ -32,9 +32,12 @@ it. The partition callbacks read the operands' shardings:
 - outputs: logp and entropy sharded like the rows, dH like hidden, dW and db like the weight;
 - nothing sharded (every operand replicated over the mesh): every device runs the whole call (the
   per-shard program with no vocab axis);
-- refused with a clear error: the hidden dimension sharded (of hidden or of the weight), the
-  vocab sharded over several axes, the vocab axis also sharding the rows, an operand sharded with
-  no mesh axis names (a GSPMDSharding: which axis is the vocab's cannot be told), and vmap
+- gathered, never the vocab: the hidden dimension sharded (of hidden, or of the weight as FSDP shards
+  it) is all-gathered, the weight's within its vocab shard (FSDP's own gather); rows sharded over
+  the vocab axis too (sequence parallelism) are all-gathered over that axis (Megatron's own gather
+  before its LM head); the results come with the rows' remaining sharding;
+- refused with a clear error: the vocab sharded over several axes, an operand sharded with no mesh
+  axis names (a GSPMDSharding: which axis is the vocab's cannot be told), and vmap
   (custom_partitioning has no batching rule).
 
 The backward recomputes the forward statistics on each shard (the "lean" backward; bits equal the
@@ -151,10 +154,10 @@ def _layout(arg_shapes):
             raise ValueError(f"rlk_xla.linear_logp under GSPMD: operand {i} is sharded ({s}) with no mesh to name "
                              "its axes: place the operands with NamedSharding, or set the mesh (jax.set_mesh)")
         return (tuple(s.spec) + (None,) * ndim)[:ndim]
+    # The hidden dimension's sharding (hidden's or the weight's, as FSDP shards a weight) is not
+    # served: the per-device program asks for H whole, and XLA all-gathers it (the weight's H
+    # within its vocab shard, FSDP's own gather), never the vocab.
     hs, ws = spec(0), spec(1)
-    if hs[1] is not None or ws[1] is not None:
-        raise ValueError(f"rlk_xla.linear_logp under GSPMD: the hidden dimension is sharded (hidden {P(*hs)}, weight "
-                         f"{P(*ws)}): shard the weight over the vocab (P('tp', None)) and hidden over its rows only")
     vocab = ws[0]
     if isinstance(vocab, tuple):
         if len(vocab) > 1:
@@ -163,8 +166,11 @@ def _layout(arg_shapes):
         vocab = vocab[0] if vocab else None
     rows = hs[0]
     row_axes = () if rows is None else (rows if isinstance(rows, tuple) else (rows,))
+    # Rows sharded over the vocab axis too (sequence parallelism, as Megatron's): the per-device
+    # program asks for them gathered over that axis (Megatron's own gather before the LM head).
     if vocab is not None and vocab in row_axes:
-        raise ValueError(f"rlk_xla.linear_logp under GSPMD: mesh axis {vocab!r} shards both the vocab and the rows")
+        row_axes = tuple(a for a in row_axes if a != vocab)
+        rows = row_axes if len(row_axes) > 1 else (row_axes[0] if row_axes else None)
     return rows, row_axes, vocab
 
 

@@ -9,7 +9,9 @@ gives the shard_map path's bits, an empty nucleus's NaN and an outside target's 
 reference routes (mode="off", audit) run and count; an unsharded single-device jit compiles to the
 program it had before GSPMD was engaged outside a set mesh; per-device temp bytes stay far below one
 logits buffer at every TP degree while the weight's bytes shrink with it; a sharded hidden
-dimension, an operand sharded with no axis names, and vmap are refused."""
+dimension (FSDP) and rows sharded over the vocab axis (sequence parallelism) are all-gathered, never
+the vocab, with the shard_map path's bits; an operand sharded with no axis names, and vmap are
+refused."""
 import contextlib
 import functools
 import re
@@ -140,12 +142,48 @@ def test_per_device_memory_with_the_tp_degree(how):
             assert arg < measured[tp // 2][1]  # the weight shard halves
 
 
-def test_sharded_hidden_dimension_is_refused():
-    mesh = _mesh("tp4")
-    hidden, weight, _, _, targets, _ = _inputs()
-    hidden = jax.device_put(hidden, NamedSharding(mesh, P(None, "tp")))
-    with jax.set_mesh(mesh), pytest.raises(Exception, match="hidden dimension is sharded"):
-        jax.jit(lambda h, w, t: rlk_xla.linear_logp(h, w, t))(hidden, weight, targets)
+def _gathered_shapes(hlo):
+    """The result shapes of the compiled program's all-gathers."""
+    return re.findall(r"= \(?(\w+\[[\d,]*\])[^=]*? all-gather(?:-start)?\(", hlo)
+
+
+# (mesh, hidden's spec, the weight's spec): the hidden dimension sharded as FSDP shards a weight
+# (over "dp", which also shards the rows), and the rows sharded over the vocab axis too (sequence
+# parallelism). Both are gathered (H, or the rows), never the vocab: the shard_map path's bits.
+GATHERED = {"fsdp_weight": ("dp2_tp2", P("dp", None), P("tp", "dp")),
+            "fsdp_hidden": ("dp2_tp2", P("dp", "tp"), P("tp", None)),
+            "sequence_parallel": ("tp4", P("tp", None), P("tp", None))}
+
+
+@pytest.mark.parametrize("how", ["set_mesh", "plain"])
+@pytest.mark.parametrize("case", sorted(GATHERED))
+def test_a_sharded_hidden_dimension_or_rows_on_the_vocab_axis_are_gathered_not_the_vocab(case, how):
+    name, hidden_spec, weight_spec = GATHERED[case]
+    mesh = _mesh(name)
+    rows = "dp" if "dp" in mesh.axis_names else None
+    hidden, weight, bias, temp, targets, g = _inputs()
+    row_spec = P(hidden_spec[0])
+    specs = (hidden_spec, weight_spec, P("tp"), row_spec, row_spec, row_spec)
+    args = [jax.device_put(x[:20] if x.shape[0] == N else x, NamedSharding(mesh, sp))  # 20 rows: divisible by 4
+            for x, sp in zip((hidden, weight, bias, temp, targets, g), specs, strict=True)]
+    f = _loss(rlk_xla.linear_logp)
+    with _context(how, mesh):
+        (_, (logp, ent)), grads = f(*args)
+        hlo = f.lower(*args).compile().as_text()
+    gathered = _gathered_shapes(hlo)
+    assert gathered, hlo  # the documented gather happened
+    assert not any(str(V) in shape for shape in gathered), gathered  # never the vocab
+
+    def shard_map_path(hidden, weight, targets, **kw):
+        return vocab_parallel_linear_logp(hidden, weight, targets, mesh=mesh, vocab_axis="tp", token_axis=rows,
+                                          backward="lean", **kw)
+    plain_args = [jax.device_put(a, NamedSharding(mesh, sp)) for a, sp in
+                  zip(args, (P(rows, None), P("tp", None), P("tp"), P(rows), P(rows), P(rows)), strict=True)]
+    (_, (logp_sm, ent_sm)), grads_sm = _loss(shard_map_path)(*plain_args)
+    np.testing.assert_array_equal(logp, logp_sm)
+    np.testing.assert_array_equal(ent, ent_sm)
+    for got, ref in zip(grads, grads_sm, strict=True):
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(ref, np.float32))
 
 
 @pytest.mark.parametrize("how", ["set_mesh", "plain"])
