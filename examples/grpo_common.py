@@ -32,6 +32,7 @@ def loop_parser(doc: str):
     ap.add_argument("--prompt-len", type=int, default=4)
     ap.add_argument("--gen-len", type=int, default=8)
     ap.add_argument("--temperature", type=float, default=0.9)
+    ap.add_argument("--top-p", type=float, default=0.95)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--clip", type=float, default=0.2)
     ap.add_argument("--kl-coef", type=float, default=0.02)

@@ -4,12 +4,12 @@
 
 Each step:
 - rollout: a jitted decode step per token over a fixed [n, prompt + completion] buffer (each step
-  recomputes the causal forward; no KV cache), the token sampled at temperature T from the full
-  softmax and scored on the step's final hidden row with rlk_xla.rollout.score_sampled inside the
-  jitted step. top_p is 1: rlk_xla.linear_logp takes no keep mask yet, and the rollout must score
-  the distribution the trainer scores;
-- trainer: one forward over prompt + completion, rlk_xla.linear_logp under jax.grad, GRPO's clipped
-  loss with the rollout logp as the old policy and a k3 KL term to the initial policy, optax AdamW.
+  recomputes the causal forward; no KV cache), the token sampled at temperature T from the top-p
+  nucleus and scored on the step's final hidden row with
+  rlk_xla.rollout.score_sampled(keep_mask=nucleus) inside the jitted step;
+- trainer: one forward over prompt + completion, rlk_xla.linear_logp(keep_mask=the rollout's
+  nuclei) under jax.grad, GRPO's clipped loss with the rollout logp as the old policy and a k3 KL
+  term to the initial policy (over the same nuclei), optax AdamW.
 The JSON line per step has grpo_torch's keys: (a) the trainer's op on the rollout's hidden rows,
 (b) the full recompute against the rollout, and with --drift-every the first layer (sown
 intermediates) whose output differs between the decode step and the recompute at the same tokens.
@@ -92,6 +92,16 @@ def fingerprint(w) -> str:
     return f"{zlib.crc32(np.asarray(w).tobytes()):08x}"
 
 
+def nucleus(z, top_p: float):
+    """The top-p keep mask [n, V] of fp32 logits (-inf at padded ids): the smallest set of the most
+    likely ids whose probability reaches top_p (ties at the boundary by sort order)."""
+    order = jnp.argsort(-z, axis=-1, stable=True)
+    p = jnp.take_along_axis(jax.nn.softmax(z, axis=-1), order, axis=-1)
+    keep_sorted = jnp.cumsum(p, axis=-1) - p < top_p
+    rows = jnp.arange(z.shape[0])[:, None]
+    return jnp.zeros(z.shape, bool).at[rows, order].set(keep_sorted) & jnp.isfinite(z)
+
+
 def run(args):
     _, _, _, _, vocab, real = TINY
     model = Decoder(args.seed)
@@ -111,29 +121,31 @@ def run(args):
     @jax.jit
     def decode_step(params, buf, i, key):
         """Sample and score the token at position p + i (one jitted step): ids, rollout logp, the
-        hidden row, the blocks' outputs at that row."""
+        nucleus, the hidden row, the blocks' outputs at that row."""
         h, acts = forward(params, buf)
         h_i = jax.lax.dynamic_index_in_dim(h, p - 1 + i, 1, keepdims=False)
         w = params["lm_head"].get_value()
         z = (h_i @ w.T).astype(jnp.float32) / T
         z = jnp.where(jnp.arange(vocab) < real, z, -jnp.inf)
-        ids = jax.random.categorical(key, z).astype(jnp.int32)
-        logp = rollout.score_sampled(h_i, w, ids, temperature=T, real_vocab_size=real)
+        keep = nucleus(z, args.top_p)
+        ids = jax.random.categorical(key, jnp.where(keep, z, -jnp.inf)).astype(jnp.int32)
+        logp = rollout.score_sampled(h_i, w, ids, temperature=T, real_vocab_size=real, keep_mask=keep)
         acts_i = {k: jax.lax.dynamic_index_in_dim(a, p - 1 + i, 1, keepdims=False) for k, a in acts.items()}
-        return ids, logp, h_i, acts_i
+        return ids, logp, keep, h_i, acts_i
 
-    def trainer_logp(params, buf, hidden=None):
+    def trainer_logp(params, buf, keep, hidden=None):
         w = params["lm_head"].get_value()
         acts = {}
         if hidden is None:
             h, acts = forward(params, buf)
             hidden = h[:, p - 1:-1]
-        return rlk_xla.linear_logp(hidden, w, buf[:, p:], temperature=T, real_vocab_size=real, mode="strict"), acts
+        return rlk_xla.linear_logp(hidden, w, buf[:, p:], temperature=T, real_vocab_size=real, mode="strict",
+                                   keep_mask=keep), acts
 
     @jax.jit
-    def update(params, opt_state, buf, old, ref, adv):
+    def update(params, opt_state, buf, keep, old, ref, adv):
         def loss_fn(params):
-            logp, acts = trainer_logp(params, buf)
+            logp, acts = trainer_logp(params, buf, keep)
             ratio = jnp.exp(logp - old)
             a = adv[:, None]
             surrogate = jnp.minimum(ratio * a, jnp.clip(ratio, 1 - args.clip, 1 + args.clip) * a)
@@ -145,8 +157,8 @@ def run(args):
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss, aux
 
-    ref_logp = jax.jit(lambda params, buf: trainer_logp(params, buf)[0])
-    same_logp = jax.jit(lambda params, buf, hidden: trainer_logp(params, buf, hidden)[0])
+    ref_logp = jax.jit(lambda params, buf, keep: trainer_logp(params, buf, keep)[0])
+    same_logp = jax.jit(lambda params, buf, keep, hidden: trainer_logp(params, buf, keep, hidden)[0])
     data = np.random.default_rng(args.seed + 2)
     key = jax.random.key(args.seed + 1)
     log = G.StepLog(args.out, vars(args))
@@ -157,22 +169,22 @@ def run(args):
         p_np = np.repeat(G.prompts(data, args.prompts, p, real), args.group, axis=0)
         buf = jnp.zeros((n, p + L), jnp.int32).at[:, :p].set(jnp.asarray(p_np, jnp.int32))
         fp_roll = fingerprint(params["lm_head"].get_value())
-        logps, hids, dec_acts = [], [], []
+        logps, keeps, hids, dec_acts = [], [], [], []
         for i in range(L):
             key, sub = jax.random.split(key)
-            ids, logp, h_i, acts_i = decode_step(params, buf, i, sub)
+            ids, logp, keep, h_i, acts_i = decode_step(params, buf, i, sub)
             buf = buf.at[:, p + i].set(ids)
-            logps.append(logp), hids.append(h_i), dec_acts.append(acts_i)
-        roll_logp, roll_hidden = jnp.stack(logps, 1), jnp.stack(hids, 1)
+            logps.append(logp), keeps.append(keep), hids.append(h_i), dec_acts.append(acts_i)
+        roll_logp, roll_keep, roll_hidden = jnp.stack(logps, 1), jnp.stack(keeps, 1), jnp.stack(hids, 1)
         comp = np.asarray(buf[:, p:])
         r = G.rewards(p_np, comp, real)
         adv = jnp.asarray(G.advantages(r, args.group), jnp.float32)
         fp_train = fingerprint(params["lm_head"].get_value())
-        ref = ref_logp(ref_params, buf)
-        same = same_logp(params, buf, roll_hidden)
+        ref = ref_logp(ref_params, buf, roll_keep)
+        same = same_logp(params, buf, roll_keep, roll_hidden)
         losses = []
         for epoch in range(args.epochs):
-            new_params, opt_state, loss, (logp, acts, clipped, kl) = update(params, opt_state, buf, roll_logp, ref, adv)
+            new_params, opt_state, loss, (logp, acts, clipped, kl) = update(params, opt_state, buf, roll_keep, roll_logp, ref, adv)
             if epoch == 0:
                 b_logp, train_acts, kl0 = logp, acts, float(kl)
             params = new_params

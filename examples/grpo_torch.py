@@ -62,7 +62,6 @@ def parse_args(argv=None):
     ap.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
-    ap.add_argument("--top-p", type=float, default=0.95)
     ap.add_argument("--tp", type=int, default=1, help="the trainer's vocab-parallel degree (gloo processes)")
     ap.add_argument("--graphs", action="store_true", help="score the rollout as one CUDA graph (cuda only)")
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (0: torch's default; one is "

@@ -276,3 +276,58 @@ def test_cpu_flax_decode_loop_rollout_equals_trainer():
 def test_gpu_flax_decode_loop_rollout_equals_trainer(setup):
     with jax.default_device(jax.devices("gpu")[0]):
         check(setup)
+
+
+@functools.partial(jax.jit, static_argnames=("real", "tp", "as_ids"))
+def score_nucleus(hidden, weight, ids, t, bias, keep, *, real, tp, as_ids):
+    def f(h, w, i, t, b, k):
+        nucleus = dict(keep_ids=k) if as_ids else dict(keep_mask=k)
+        return rollout.score_sampled(h, w, i, temperature=t, bias=b, real_vocab_size=real, return_entropy=True,
+                                     axis_name="tp" if tp > 1 else None, **nucleus)
+    if tp == 1:
+        return f(hidden, weight, ids, t, bias, keep)
+    mesh = Mesh(np.array(jax.devices("cpu")[:tp]), ("tp",))
+    return shard_map(f, mesh=mesh, in_specs=(P(), P("tp"), P(), P(), P("tp"), P() if as_ids else P(None, "tp")),
+                     out_specs=(P(), P()))(hidden, weight, ids, t, bias, keep)
+
+
+def test_nucleus_decode_rows_equal_trainer_rows():
+    """The sampler's top-p nucleus, as a mask or as kept ids: padded decode rows (TP 1 and TP 2)
+    give bitwise the trainer's linear_logp(keep_mask=) rows, a target outside the nucleus -inf and
+    an empty nucleus NaN included; a torch engine scores the same bits."""
+    rows, k = 256, 7
+    d, kw, _, _ = make_inputs(5, rows, H, V, "bfloat16", bias=True, temp="array", real_vocab=REAL)
+    rng = np.random.default_rng(0)
+    kept = rng.integers(0, REAL, (rows, k))
+    kept[:, 0] = np.asarray(d["targets"])  # the sampled id is in its nucleus ...
+    kept[1, 0] = (int(d["targets"][1]) + 1) % REAL  # ... but row 1's (-inf)
+    kept[2] = -1  # row 2 keeps nothing (NaN)
+    kept[3, 3:] = -1  # ragged
+    mask = np.zeros((rows, V), bool)
+    for r in range(rows):
+        mask[r, kept[r][kept[r] >= 0]] = True
+    ref = rlk_xla.linear_logp(d["hidden"], d["weight"], d["targets"], return_entropy=True, mode="strict",
+                              keep_mask=jnp.asarray(mask), **kw)
+    assert np.isneginf(ref[0][1]) and np.isnan(ref[0][2])
+    for i, live in enumerate((1, 3, 64)):
+        hidden, ids, t, sl = decode_batch(d, kw, live, seed=i)
+        cap = hidden.shape[0]
+        pad_keep = rng.integers(-1, REAL, (cap - live, k))
+        ids_k = jnp.asarray(np.concatenate([kept[sl], pad_keep]), jnp.int32)
+        pad_mask = np.zeros((cap - live, V), bool)
+        mask_k = jnp.asarray(np.concatenate([mask[sl], pad_mask]))
+        for tp in (1, 2):
+            for as_ids, keep in ((False, mask_k), (True, ids_k)):
+                got = score_nucleus(hidden, d["weight"], ids, t, kw["bias"], keep, real=REAL, tp=tp, as_ids=as_ids)
+                for g, r in zip(got, ref):
+                    assert np.array_equal(_bits(g[:live]), _bits(r[sl])), (live, tp, as_ids)
+    torch = pytest.importorskip("torch", reason="torch is not installed")
+    from torch_bridge.integrations import rollout as torch_rollout
+
+    def t_(x, dtype=torch.bfloat16):
+        return torch.tensor(np.asarray(x, np.float32) if dtype.is_floating_point else np.asarray(x)).to(dtype)
+    got = torch_rollout.score_sampled(t_(d["hidden"][:8]), t_(d["weight"]), t_(d["targets"][:8], torch.int64),
+                                      temperature=t_(kw["temperature"][:8], torch.float32), bias=t_(kw["bias"]),
+                                      real_vocab_size=REAL, return_entropy=True, keep_mask=torch.tensor(mask[:8]))
+    for g, r in zip(got, ref):
+        assert np.array_equal(g.numpy().view(np.uint32), _bits(r[:8]))

@@ -5,6 +5,8 @@ linear_logp(..., keep_mask=) on the same rows (padded decode batches, out= buffe
 over gloo), the entropy unmasked; ids outside their nucleus give -inf, as the trainer.
 Ids (issue 44): int64 ids beyond int32 are never wrapped by the cast: 2^32 + 5 is no id (a NaN row,
 as linear_logp(validate_targets=False) gives), not id 5, and -2^32 - 100 is not the padding id."""
+import functools
+
 import pytest
 
 pytest.importorskip("torch", reason="torch is not installed: these tests need it")
@@ -86,6 +88,32 @@ def test_id_outside_the_nucleus_is_minus_inf_and_buffers_are_checked():
     with pytest.raises(ValueError, match="contiguous"):
         rollout.score_sampled(d["hidden"], d["weight"], t, keep_mask=keep.T.contiguous().T,
                               out=rollout.score_buffers(8, d["weight"], nucleus=True))
+
+
+@pytest.mark.parametrize("with_out", [False, True])
+def test_nucleus_as_kept_ids_scores_the_masks_bits(with_out):
+    """keep_ids ([n, K] global ids, -1 padded, a repeat counted once: a sparse top-p sampler's) give
+    bitwise keep_mask's rows; with keep_mask too, or of the wrong shape, a clear error."""
+    d, kw = trainer_inputs("bf16_temp_array_bias_entropy", 64)
+    keep = nucleus(d, kw, frac=0.02)
+    k = int(keep.sum(dim=1).max()) + 2
+    ids = torch.full((64, k), -1, dtype=torch.int64)
+    for r in range(64):
+        kept = keep[r].nonzero().flatten()
+        ids[r, :kept.numel()] = kept.flip(0)  # any order
+    ids[5, -1] = ids[5, 0]  # a repeated id counts once
+    t = d["targets"].clamp(min=0)
+    call = functools.partial(rollout.score_sampled, d["hidden"], d["weight"], t, temperature=kw["temperature"],
+                             bias=kw["bias"], real_vocab_size=REAL, return_entropy=True)
+    out = rollout.score_buffers(64, d["weight"], bias=kw["bias"], return_entropy=True, nucleus=True) if with_out \
+        else None
+    want = [x.clone() for x in call(keep_mask=keep)]
+    got = call(keep_ids=ids, out=out)
+    assert all(same_bits(g, w) for g, w in zip(got, want))
+    with pytest.raises(ValueError, match="keep_ids or keep_mask"):
+        call(keep_ids=ids, keep_mask=keep)
+    with pytest.raises(ValueError, match="keep_ids must be targets' shape plus K"):
+        call(keep_ids=ids[:10])
 
 
 @pytest.mark.parametrize("with_out", [False, True])

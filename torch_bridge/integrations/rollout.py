@@ -31,6 +31,7 @@ from torch import Tensor
 import rlk_common as common
 
 from .. import _ops
+from .._keep_ids import mask_of
 from .._args import (SUPPORTED_DTYPES, check_keep_mask, check_temperature, check_tensors, chunk_of, id_rule,
                     int32_targets, tp_layout, unsupported)
 
@@ -139,7 +140,8 @@ def score_buffers(rows: int, weight: Tensor, *, bias: Optional[Tensor] = None, t
 
 
 def score_sampled(hidden, weight, sampled_ids, *, temperature=1.0, bias=None, tp_group=None, vocab_start=None,
-                  real_vocab_size=None, return_entropy=False, keep_mask=None, out: Optional[ScoreBuffers] = None):
+                  real_vocab_size=None, return_entropy=False, keep_mask=None, keep_ids=None,
+                  out: Optional[ScoreBuffers] = None):
     """log_softmax((hidden @ weight.T + bias) / temperature)[sampled_ids] per row, forward only.
 
     hidden [n, H] (bf16, fp16 or fp32: the decode step's final hidden states, after the final norm),
@@ -151,6 +153,8 @@ def score_sampled(hidden, weight, sampled_ids, *, temperature=1.0, bias=None, tp
     ids at or past real_vocab_size never count).
     keep_mask: the sampler's nucleus, bool [n, V_local] (this rank's shard), or None: logp over the
     kept ids (-inf for an id outside them, NaN for a row that keeps nothing), as linear_logp's keep_mask.
+    keep_ids: the same nucleus as kept ids, int [n, K] global ids, -1 padded (a sparse top-p
+    sampler's), taken as the keep_mask they stand for (allocated, even with out=); not with keep_mask.
     out: ScoreBuffers from score_buffers(n, weight, ..., nucleus=keep_mask is not None) for this
     call's shapes: nothing is then allocated (hidden, weight, bias and keep_mask must be contiguous;
     int64 ids are clamped into the int32 buffer) and the results are out's tensors.
@@ -162,6 +166,10 @@ def score_sampled(hidden, weight, sampled_ids, *, temperature=1.0, bias=None, tp
     scalar = check_temperature(temperature, ts, hidden)
     tp, _, v_start = tp_layout(tp_group, weight.shape[0], vocab_start)
     real = common.real_vocab(real_vocab_size, weight.shape[0] * tp)
+    if keep_ids is not None:
+        if keep_mask is not None:
+            raise ValueError("score_sampled: pass keep_ids or keep_mask, not both")
+        keep_mask = mask_of(keep_ids, sampled_ids, weight.shape[0], v_start).contiguous()
     nucleus = keep_mask is not None
     if nucleus:
         check_keep_mask(keep_mask, ts, weight.shape[0], hidden)
