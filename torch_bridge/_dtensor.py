@@ -11,6 +11,9 @@ pieces, so the bits are the plain path's.
 - hidden a DTensor: Replicate() over the weight's vocab dim; rows may be Shard(d) over other mesh
   dims (d not the hidden dim), with targets a DTensor of the same placements. logp and entropy come
   back as DTensors with hidden's placements, dH as one with hidden's.
+- the nucleus: keep_mask a DTensor Shard(-1) over the weight's vocab dim (this shard's columns) or
+  Replicate() there (its columns of this shard are taken), keep_ids (global ids) Replicate() there;
+  rows placed as hidden's.
 - tp_group and vocab_start are read from the weight: passing them with a DTensor weight raises.
 """
 from __future__ import annotations
@@ -42,9 +45,9 @@ def dtensor_rule(fn):
                       **kwargs)
         weight, bias, tp_group, vocab_start, tp_dim = _weight(dt, weight, bias, tp_group, vocab_start)
         hidden, targets, wrap = _rows(dt, hidden, targets, tp_dim)
-        for name in nucleus:  # keep_mask: this shard's columns; keep_ids: global ids, replicated
+        for name in nucleus:
             if isinstance(kwargs.get(name), dt):
-                kwargs[name] = kwargs[name].to_local()
+                kwargs[name] = _nucleus(name, kwargs[name], tp_dim, vocab_start, weight.shape[0])
         out = fn(hidden, weight, targets, *args, bias=bias, tp_group=tp_group, vocab_start=vocab_start, **kwargs)
         return tuple(map(wrap, out)) if isinstance(out, tuple) else wrap(out)
 
@@ -110,6 +113,27 @@ def _rows(dt, hidden, targets, tp_dim):
         targets = targets.to_local()
     mesh = hidden.device_mesh
     return hidden.to_local(), targets, lambda x: dt.from_local(x, mesh, placements, run_check=False)
+
+
+def _nucleus(name, t, tp_dim, vocab_start, v_local):
+    """The local nucleus of a DTensor keep_mask or keep_ids (rows placed as hidden's: the op checks
+    the local shape). keep_mask: Shard on its vocab (last) dim over the weight's vocab mesh dim is
+    this shard's columns; Replicate there, its columns of this shard are sliced. keep_ids (global
+    ids): Replicate over the vocab mesh dim."""
+    placements = tuple(t.placements)
+    on_vocab = placements[tp_dim] if tp_dim is not None else None
+    local = t.to_local()
+    if name == "keep_ids" or on_vocab is None:
+        if on_vocab is not None and not on_vocab.is_replicate():
+            raise ValueError(f"linear_logp: keep_ids placements {placements}: global ids are replicated over the "
+                             "weight's vocab mesh dim")
+        return local
+    if on_vocab.is_shard() and on_vocab.dim % t.ndim == t.ndim - 1:
+        return local
+    if on_vocab.is_replicate():
+        return local[..., vocab_start:vocab_start + v_local]
+    raise ValueError(f"linear_logp: keep_mask placements {placements}: shard its vocab (last) dim over the weight's "
+                     "vocab mesh dim (Shard(-1)), or replicate it there")
 
 
 def _replicated(t, what):

@@ -3,7 +3,9 @@ Shard(0) over a 1-D mesh, or over the "tp" dim of a (dp, tp) mesh, gives the pla
 logp, entropy and gradients bit for bit, dW and the bias gradient as DTensors with the weight's
 placements; a replicated DTensor hidden is accepted (outputs and dH as replicated DTensors); a
 weight sharded over a data-parallel (FSDP) dim, over two dims, or with tp_group passed, is refused
-with the fix."""
+with the fix. The nucleus as a DTensor (a keep_mask sharded over the vocab or replicated, keep_ids
+replicated) gives the plain TP path's bits, an empty row's NaN included; a mask sharded over its rows
+on the vocab's mesh dim is refused."""
 import pytest
 
 pytest.importorskip("torch", reason="torch is not installed: these tests need it")
@@ -72,7 +74,30 @@ def _worker(rank, world, port, out_dir):
                     "dw": w.grad.to_local(), "db": b.grad.to_local(), "dw_placements": tuple(w.grad.placements),
                     "w_placements": placements, "out_dtensor": hasattr(logp, "to_local"),
                     "dh_dtensor": hasattr(h.grad, "to_local")}
+        # the nucleus: a mask sharded over the vocab or replicated, ids replicated (global ids)
+        keep = torch.rand(N, V, generator=torch.Generator().manual_seed(5)) < 0.3
+        keep[torch.arange(N), targets.clamp(min=0)] = True
+        keep[1] = False  # an empty nucleus: NaN
+        ids = torch.where(keep, torch.arange(V), -1).sort(dim=1, descending=True).values[:, :V // 2]
+        mesh1 = meshes["1d"][0]
+        nucleus_cases = {"plain_nucleus": dict(keep_mask=keep[:, sl].contiguous(), tp_group=dist.group.WORLD),
+                         "nucleus/shard": dict(keep_mask=distribute_tensor(keep, mesh1, (Shard(1),))),
+                         "nucleus/replicated": dict(keep_mask=distribute_tensor(keep, mesh1, (Replicate(),))),
+                         "nucleus/ids": dict(keep_ids=distribute_tensor(ids, mesh1, (Replicate(),)))}
+        for name, kw in nucleus_cases.items():
+            plain = name == "plain_nucleus"
+            w = (weight[sl].clone() if plain else distribute_tensor(weight, mesh1, (Shard(0),))).requires_grad_()
+            h = hidden.clone().requires_grad_()
+            logp, ent = _call(h, w, None, targets, g, e, **kw)
+            res[name] = {"logp": _local(logp).detach(), "ent": _local(ent).detach(), "dh": h.grad,
+                         "dw": _local(w.grad)}
         errors = {}
+        try:
+            torch_bridge.linear_logp(hidden, distribute_tensor(weight, mesh1, (Shard(0),)), targets,
+                                     keep_mask=distribute_tensor(keep, mesh1, (Shard(0),)))
+            errors["nucleus_rows"] = None
+        except (ValueError, TypeError) as exc:
+            errors["nucleus_rows"] = str(exc)
         refused = {"fsdp": (init_device_mesh("cpu", (world,), mesh_dim_names=("dp",)), (Shard(0),), {}),
                    "two_dims": (init_device_mesh("cpu", (1, world), mesh_dim_names=("a", "b")), (Shard(0), Shard(0)),
                                 {}),
@@ -105,8 +130,17 @@ def test_dtensor_weight_gives_the_plain_tp_bits(results, case):
         assert got["out_dtensor"] == replicated and got["dh_dtensor"] == replicated
 
 
+@pytest.mark.parametrize("case", ["nucleus/shard", "nucleus/replicated", "nucleus/ids"])
+def test_dtensor_nucleus_gives_the_plain_tp_bits(results, case):
+    for res in results:
+        got, plain = res[case], res["plain_nucleus"]
+        for key in ("logp", "ent", "dh", "dw"):  # bitwise: the empty row's NaN too
+            assert torch.equal(got[key].view(torch.int32), plain[key].view(torch.int32)), key
+        assert torch.isnan(got["logp"][1]) and torch.isfinite(got["logp"][2:]).all()
+
+
 @pytest.mark.parametrize("case, match", [("fsdp", "data-parallel.*forward"), ("two_dims", "several mesh dims"),
-                                         ("tp_group", "read from it")])
+                                         ("tp_group", "read from it"), ("nucleus_rows", "keep_mask placements")])
 def test_refused_layouts_name_the_fix(results, case, match):
     for res in results:
         assert res["errors"][case] is not None and re.search(match, res["errors"][case]), res["errors"][case]
