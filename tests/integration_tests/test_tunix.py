@@ -4,6 +4,8 @@ learners call them, give the loss, the entropy and every parameter's gradient of
 within the error each has against the same model in float64 (ours at most twice Tunix's, up to fp32
 rounding); the packed layout and the no-gradient calls (old and reference logps) agree; a few
 optimizer steps run fused with no fallback; the compiled gradient holds no [B, T, V] logits."""
+import re
+
 import pytest
 
 jax = pytest.importorskip("jax", reason="jax is not installed: these tests need it")
@@ -169,3 +171,37 @@ def test_restore_puts_tunix_back():
         use_rlk()
     handle.restore()
     assert common.compute_per_token_logps is native
+
+
+def test_a_vocab_sharded_head_under_plain_jit_is_not_gathered():
+    """Tunix's learner over a model whose LM head ([D, V] einsum) is sharded over the vocab on 4
+    CPU devices, called as Tunix calls it (jax.jit over placed arrays, no mesh set): the op
+    partitions itself (rlk_xla.gspmd), so the compiled gradient gathers nothing vocab-sized, and the
+    loss has the unsharded call's bits (the op is TP invariant)."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    if len(jax.devices("cpu")) < 4:
+        pytest.skip("needs 4 CPU devices (tests/conftest.py)")
+    v = 128  # divisible by the 4 shards
+    mesh = jax.make_mesh((4,), ("tp",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices("cpu")[:4])
+    model = qwen3.Qwen3(_config(vocab=v), rngs=nnx.Rngs(1))
+    model.lm_head.w[...] = model.lm_head.w[...] * 20
+    graphdef, state = nnx.split(model)
+    algo, ex = _algo("grpo"), _example(vocab=v)
+    loss_fn = function_registry.get_policy_loss_fn("grpo")
+    f = jax.jit(jax.value_and_grad(lambda s: loss_fn(nnx.merge(graphdef, s), ex, algo_config=algo, pad_id=PAD,
+                                                     eos_id=EOS)[0]))
+    replicated = NamedSharding(mesh, P())
+    placed = jax.tree.map(lambda x: jax.device_put(x, replicated), state)
+    placed["lm_head"]["w"] = jax.device_put(state["lm_head"]["w"], NamedSharding(mesh, P(None, "tp")))
+    rlk_xla.reset_route_stats()
+    with use_rlk():
+        loss, grads = f(placed)
+        hlo = f.lower(placed).compile().as_text()
+        loss_1, grads_1 = f(state)  # one device
+    gathers = re.findall(r"= \(?(\w+\[[\d,]*\])[^=]*? all-gather(?:-start)?\(", hlo)
+    assert not [s for s in gathers if str(v) in s], gathers  # neither the head nor logits
+    assert rlk_xla.route_stats()["fallback_total"] == 0
+    assert np.asarray(loss).tobytes() == np.asarray(loss_1).tobytes()
+    for ours, one in zip(jax.tree.leaves(grads), jax.tree.leaves(grads_1), strict=True):
+        np.testing.assert_allclose(np.asarray(ours), np.asarray(one), rtol=1e-5, atol=1e-6)
+    assert grads["lm_head"]["w"].sharding.is_equivalent_to(placed["lm_head"]["w"].sharding, 2)
