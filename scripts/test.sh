@@ -34,11 +34,18 @@ QUICK=(tests/jax_tests/test_linear_logp.py tests/torch_tests/test_torch_linear_l
 TORCH="torch==2.13.0"
 # The integrations are tested against the real packages (scripts/setup.sh installs only what rlk_xla needs).
 INTEGRATIONS=("transformers==5.24.0" "flax==0.12.8" "megatron-core==0.16.1" "trl==1.16.0"
-              "google-metrax==0.2.4" "jaxtyping==0.3.11" "sentencepiece==0.2.3" "perfetto==0.59.1")
+              "google-metrax==0.2.4" "jaxtyping==0.3.11" "sentencepiece==0.2.3" "perfetto==0.59.1"
+              "pillow==13.0.0")
 # google-tunix 0.1.7 (the newest) pins safetensors<0.8, which transformers 5.24 (>=0.8) excludes: it goes in
-# without its declared dependencies, plus the four above that its RL modules and models import beyond ours.
+# without its declared dependencies, plus the five above that its RL modules and models import beyond ours
+# (pillow among them: without it `import tunix` fails and its tests would only be skipped).
 TUNIX="google-tunix==0.1.7"
-integrations() { pip install -q "${INTEGRATIONS[@]}" && pip install -q --no-deps "$TUNIX"; }
+# Installed, then imported: an integration whose import fails is an error here, never a silent skip.
+integrations() {
+  pip install -q "${INTEGRATIONS[@]}" && pip install -q --no-deps "$TUNIX" &&
+    python -c "import flax, megatron.core, transformers, trl, tunix.rl.common, tunix.models.qwen3.model" ||
+    { echo "test: an integration package does not install or import (above)" >&2; return 1; }
+}
 start=$SECONDS
 
 if [ -z "$wheel" ]; then
