@@ -60,10 +60,7 @@ def test_against_float64_oracle(tp, dp, backward):
                              dlogit_dtype=oracle.cpu_dlogit_dtype("bfloat16"))
     oracle.assert_values(lp, ref["logp"], "logp")
     oracle.assert_values(ent, ref["entropy"], "entropy")
-    oracle.assert_grad(dh, ref["dh"], "bfloat16", "d hidden", ref["dh_abs"])
-    oracle.assert_grad(dw, ref["dw"], "bfloat16", "d weight", ref["dw_abs"])
-    oracle.assert_grad(db, ref["db"], "bfloat16", "d bias", ref["db_abs"])
-    oracle.assert_grad(dT, ref["dtemp"], "float32", "d temperature", ref["dtemp_abs"])
+    oracle.assert_grads(dict(hidden=dh, weight=dw, bias=db, temperature=dT), ref, "bfloat16")
 
 
 @pytest.mark.parametrize("tp,dp", [(4, 1), (4, 2)])
@@ -76,10 +73,7 @@ def test_reference_gradients_against_float64_oracle(tp, dp):
                              real_vocab=kw["real_vocab_size"], g=g, e=e)
     oracle.assert_values(lp, ref["logp"], "logp")
     oracle.assert_values(ent, ref["entropy"], "entropy")
-    oracle.assert_grad(dh, ref["dh"], "bfloat16", "d hidden", ref["dh_abs"])
-    oracle.assert_grad(dw, ref["dw"], "bfloat16", "d weight", ref["dw_abs"])
-    oracle.assert_grad(db, ref["db"], "bfloat16", "d bias", ref["db_abs"])
-    oracle.assert_grad(dT, ref["dtemp"], "float32", "d temperature", ref["dtemp_abs"])
+    oracle.assert_grads(dict(hidden=dh, weight=dw, bias=db, temperature=dT), ref, "bfloat16")
 
 
 @pytest.mark.parametrize("dtype,real", [("bfloat16", V - 37), ("float32", V), ("float16", 600)])
