@@ -4,6 +4,7 @@ pytest.importorskip("jax", reason="jax is not installed: these tests need it")
 
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -78,3 +79,15 @@ def run_op(fn, seed, n, h, v, dtype, o, device, backward):
 # The tolerances these tests had before the check was shared (oracle.check_against_oracle's
 # kept_bound and dlogit_rounding say how they differ from the torch tests').
 check_against_oracle = functools.partial(oracle.check_against_oracle, run_op, kept_bound="fp16", dlogit_rounding=True)
+
+
+def collectives(hlo: str) -> list:
+    """(op, its result shapes such as "f32[512,32]") for every collective of a compiled HLO module's
+    text (all-reduce, all-gather, reduce-scatter, all-to-all, collective-permute; async -start forms
+    too)."""
+    out = []
+    for line in hlo.splitlines():
+        m = re.search(r"=\s*(.*?)\s(all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)(-start)?\(", line)
+        if m:
+            out.append((m.group(2), re.findall(r"\w+\[[\d,]*\]", m.group(1))))
+    return out

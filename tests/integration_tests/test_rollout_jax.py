@@ -31,6 +31,12 @@ CASES = {"bf16": ("bfloat16", None, False, False),
          "f32_temp_bias_entropy": ("float32", "scalar", True, True)}
 
 
+def _torch(torch, x, dtype=None):
+    """A JAX array as a torch tensor of dtype (bfloat16 by default), through numpy."""
+    dtype = torch.bfloat16 if dtype is None else dtype
+    return torch.tensor(np.asarray(x, np.float32) if dtype.is_floating_point else np.asarray(x)).to(dtype)
+
+
 def _bits(x):
     return np.asarray(x, np.float32).view(np.uint32)
 
@@ -109,10 +115,7 @@ def test_torch_engine_and_jax_trainer_agree():
     from torch_bridge.integrations import rollout as torch_rollout
     d, kw, _, _ = make_inputs(3, 96, H, V, "bfloat16", bias=True, temp="array", real_vocab=REAL)
     ref = rlk_xla.linear_logp(d["hidden"], d["weight"], d["targets"], return_entropy=True, **kw)
-
-    def t(x, dtype=torch.bfloat16):
-        return torch.tensor(np.asarray(x, np.float32) if dtype.is_floating_point else np.asarray(x)).to(dtype)
-
+    t = functools.partial(_torch, torch)
     got = torch_rollout.score_sampled(t(d["hidden"][:8]), t(d["weight"]), t(d["targets"][:8], torch.int64),
                                       temperature=t(kw["temperature"][:8], torch.float32), bias=t(kw["bias"]),
                                       real_vocab_size=REAL, return_entropy=True)
@@ -323,11 +326,9 @@ def test_nucleus_decode_rows_equal_trainer_rows():
                     assert np.array_equal(_bits(g[:live]), _bits(r[sl])), (live, tp, as_ids)
     torch = pytest.importorskip("torch", reason="torch is not installed")
     from torch_bridge.integrations import rollout as torch_rollout
-
-    def t_(x, dtype=torch.bfloat16):
-        return torch.tensor(np.asarray(x, np.float32) if dtype.is_floating_point else np.asarray(x)).to(dtype)
-    got = torch_rollout.score_sampled(t_(d["hidden"][:8]), t_(d["weight"]), t_(d["targets"][:8], torch.int64),
-                                      temperature=t_(kw["temperature"][:8], torch.float32), bias=t_(kw["bias"]),
+    t = functools.partial(_torch, torch)
+    got = torch_rollout.score_sampled(t(d["hidden"][:8]), t(d["weight"]), t(d["targets"][:8], torch.int64),
+                                      temperature=t(kw["temperature"][:8], torch.float32), bias=t(kw["bias"]),
                                       real_vocab_size=REAL, return_entropy=True, keep_mask=torch.tensor(mask[:8]))
     for g, r in zip(got, ref):
         assert np.array_equal(g.numpy().view(np.uint32), _bits(r[:8]))

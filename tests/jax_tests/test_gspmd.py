@@ -29,6 +29,7 @@ from jax.sharding import PartitionSpec as P
 import rlk_xla
 from rlk_xla import gspmd
 from rlk_xla._compat import shard_map
+from jax_helpers import collectives
 from rlk_xla.parallel import vocab_parallel_linear_logp
 
 pytestmark = pytest.mark.skipif(len(jax.devices("cpu")) < 8, reason="needs 8 CPU devices (tests/conftest.py)")
@@ -144,7 +145,7 @@ def test_per_device_memory_with_the_tp_degree(how):
 
 def _gathered_shapes(hlo):
     """The result shapes of the compiled program's all-gathers."""
-    return re.findall(r"= \(?(\w+\[[\d,]*\])[^=]*? all-gather(?:-start)?\(", hlo)
+    return [shape for op, shapes in collectives(hlo) if op == "all-gather" for shape in shapes]
 
 
 # (mesh, hidden's spec, the weight's spec): the hidden dimension sharded as FSDP shards a weight

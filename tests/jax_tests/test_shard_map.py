@@ -4,7 +4,6 @@ import pytest
 
 pytest.importorskip("jax", reason="jax is not installed: these tests need it")
 
-import re
 
 import jax
 import jax.numpy as jnp
@@ -13,7 +12,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 import rlk_xla
 import oracle
-from jax_helpers import make_inputs
+from jax_helpers import collectives, make_inputs
 from rlk_xla._compat import shard_map
 
 pytestmark = pytest.mark.skipif(len(jax.devices("cpu")) < 8, reason="needs 8 CPU devices (tests/conftest.py)")
@@ -96,13 +95,8 @@ def test_wrapper_and_manual_shard_map_agree():
 
 def _collectives(hlo: str):
     """(op, elements) for every collective in an HLO module's text."""
-    out = []
-    for line in hlo.splitlines():
-        m = re.search(r"=\s*(.*?)\s(all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)(-start)?\(", line)
-        if m:
-            for dims in re.findall(r"\w+\[([\d,]*)\]", m.group(1)):
-                out.append((m.group(2), int(np.prod([int(x) for x in dims.split(",") if x] or [1]))))
-    return out
+    return [(op, int(np.prod([int(x) for x in shape[shape.index("[") + 1:-1].split(",") if x] or [1])))
+            for op, shapes in collectives(hlo) for shape in shapes]
 
 
 def test_collectives_move_per_row_statistics_only():
