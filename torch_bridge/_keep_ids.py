@@ -28,7 +28,8 @@ def keep_ids_rule(fn):
 
 
 def mask_of(keep_ids, targets, v_local: int, vocab_start: int):
-    """bool [*targets.shape, v_local]: True at this shard's columns of each row's kept ids."""
+    """bool [*targets.shape, v_local], contiguous (what the kernels read, with no copy): True at this
+    shard's columns of each row's kept ids."""
     if not isinstance(keep_ids, torch.Tensor) or keep_ids.dtype.is_floating_point or keep_ids.dtype == torch.bool:
         raise TypeError(f"keep_ids must be an integer tensor, got {type(keep_ids).__name__}"
                         f"{'' if not isinstance(keep_ids, torch.Tensor) else ' ' + str(keep_ids.dtype)}")
@@ -37,6 +38,8 @@ def mask_of(keep_ids, targets, v_local: int, vocab_start: int):
                          f"{tuple(keep_ids.shape)}")
     local = keep_ids.long() - vocab_start
     own = (keep_ids >= 0) & (local >= 0) & (local < v_local)
-    mask = torch.zeros((*targets.shape, v_local + 1), dtype=torch.bool, device=keep_ids.device)
-    mask.scatter_(-1, torch.where(own, local, torch.full_like(local, v_local)), True)  # column v_local: the rest
-    return mask[..., :v_local]
+    # An id this shard does not own writes 0 at column 0, which a max keeps a kept id's 1 over (a
+    # plain scatter's order among equal indices is not defined).
+    mask = torch.zeros((*targets.shape, v_local), dtype=torch.uint8, device=keep_ids.device)
+    mask.scatter_reduce_(-1, torch.where(own, local, 0), own.to(torch.uint8), reduce="amax")
+    return mask.view(torch.bool)

@@ -169,7 +169,7 @@ def score_sampled(hidden, weight, sampled_ids, *, temperature=1.0, bias=None, tp
     if keep_ids is not None:
         if keep_mask is not None:
             raise ValueError("score_sampled: pass keep_ids or keep_mask, not both")
-        keep_mask = mask_of(keep_ids, sampled_ids, weight.shape[0], v_start).contiguous()
+        keep_mask = mask_of(keep_ids, sampled_ids, weight.shape[0], v_start)
     nucleus = keep_mask is not None
     if nucleus:
         check_keep_mask(keep_mask, ts, weight.shape[0], hidden)
