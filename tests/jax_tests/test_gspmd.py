@@ -389,3 +389,15 @@ def test_under_scan_and_checkpoint_in_plain_jit(wrap):
     assert dw.sharding.is_equivalent_to(sharded.sharding, 2)
     np.testing.assert_array_equal(value, value_1)
     np.testing.assert_array_equal(np.asarray(dw, np.float32), np.asarray(dw_1, np.float32))
+
+
+def test_the_gpu_check_script_runs_on_the_test_devices(capsys):
+    # benchmarks/gspmd_check.py is the GPU run owed on a multi-GPU host; here on the CPU devices
+    import importlib.util
+    import pathlib
+    path = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "gspmd_check.py"
+    spec = importlib.util.spec_from_file_location("gspmd_check", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    script.main(["--n", "64", "--h", "64", "--v", "1024"])
+    assert "all-gather ops 0, loss equal True, dH equal True, dW equal True, dW P('tp',)" in capsys.readouterr().out
